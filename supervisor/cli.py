@@ -1,0 +1,178 @@
+"""The ``cleanup-supervisor`` command: serve, demo, trigger, runs, check-config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import orjson
+
+from supervisor import __version__, config, logs
+from supervisor.errors import EXIT_RUNTIME, EXIT_USAGE, CleanupError, ConfigError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run on uvloop when it is installed (it is a dependency everywhere but Windows)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _config_path(value: str | None) -> Path | None:
+    value = value or os.environ.get("CLEANUP_CONFIG")
+    return Path(value) if value else None
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        cfg = config.load(_config_path(args.config))
+    except ConfigError as exc:
+        print(f"{args.config or 'configuration'}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"ok: {cfg.ledger_path}, listen {cfg.service.listen}, source {cfg.source.kind}, "
+          f"partner {cfg.partner.base_url}, <= {cfg.limits.rate_per_second:g}/s, "
+          f"{cfg.limits.concurrency} workers")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from supervisor.service import Service, install_signal_handlers
+
+    cfg = config.load(_config_path(args.config))
+    logs.configure(args.log_level or cfg.service.log_level)
+
+    async def serve() -> int:
+        service = Service(cfg)
+        undo = install_signal_handlers(service)
+        try:
+            return await service.run()
+        finally:
+            undo()
+
+    return run_async(serve())
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from supervisor.demo import DemoOptions, run_demo
+
+    logs.configure(args.log_level or "warning")
+    opts = DemoOptions(config_path=Path(args.config), recipients=args.recipients,
+                       partner_rate=args.rate, absent_share=args.absent_share,
+                       fault_5xx=args.fault_5xx, fault_timeout_after_act=args.fault_timeout)
+    return run_async(run_demo(opts))
+
+
+async def _request(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+    import aiohttp
+
+    token = os.environ.get("CLEANUP_TRIGGER_TOKEN", "")
+    headers = {"Authorization": f"Bearer {token}"}
+    data = None
+    if body is not None:
+        data = orjson.dumps(body)
+        headers["Content-Type"] = "application/json"
+    async with aiohttp.ClientSession() as session, \
+            session.request(method, url, data=data, headers=headers) as resp:
+        return resp.status, orjson.loads(await resp.read() or b"null")
+
+
+def cmd_trigger(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {}
+    if args.schedule:
+        body["schedule"] = args.schedule
+    if args.scheduled_for:
+        body["scheduled_for"] = args.scheduled_for
+    if args.ids:
+        body["recipient_ids"] = args.ids
+    status, doc = run_async(_request("POST", f"{args.url.rstrip('/')}/v1/runs", body))
+    print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+    return 0 if status < 300 else EXIT_RUNTIME
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    base = f"{args.url.rstrip('/')}/v1/runs"
+    if args.run_id and args.state:
+        url = f"{base}/{args.run_id}/operations?state={args.state}&limit={args.limit}"
+    elif args.run_id:
+        url = f"{base}/{args.run_id}"
+    else:
+        url = f"{base}?limit={args.limit}"
+    status, doc = run_async(_request("GET", url))
+    print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+    return 0 if status < 300 else EXIT_RUNTIME
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cleanup-supervisor", description=__doc__)
+    p.add_argument("--version", action="version", version=__version__)
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the service")
+    s.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("check-config", help="validate a configuration; exit 2 on problems")
+    s.add_argument("config", nargs="?")
+    s.set_defaults(func=cmd_check_config)
+
+    s = sub.add_parser("demo", help="a full run against the local partner simulator")
+    s.add_argument("--config", default="config/default.toml")
+    s.add_argument("--recipients", type=int, default=3000)
+    s.add_argument("--rate", type=float, default=100.0, help="the simulated partner's limit")
+    s.add_argument("--absent-share", type=float, default=0.05)
+    s.add_argument("--fault-5xx", type=float, default=0.0)
+    s.add_argument("--fault-timeout", type=float, default=0.0,
+                   help="share of deletes where the partner acts, then times out")
+    s.set_defaults(func=cmd_demo)
+
+    url_default = os.environ.get("CLEANUP_URL", "http://127.0.0.1:8080")
+    s = sub.add_parser("trigger", help="open a run (token from $CLEANUP_TRIGGER_TOKEN)")
+    s.add_argument("--url", default=url_default)
+    s.add_argument("--schedule")
+    s.add_argument("--scheduled-for", help="ISO 8601 slot this tick stands for")
+    s.add_argument("ids", nargs="*", help="inline recipient IDs")
+    s.set_defaults(func=cmd_trigger)
+
+    s = sub.add_parser("runs", help="list runs, show one, or list its operations by state")
+    s.add_argument("--url", default=url_default)
+    s.add_argument("run_id", nargs="?")
+    s.add_argument("--state", help="with RUN_ID: list operations in this state")
+    s.add_argument("--limit", type=int, default=20)
+    s.set_defaults(func=cmd_runs)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except ConfigError as exc:
+        print(f"configuration has {len(exc.problems)} problem(s):", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return exc.exit_code
+    except CleanupError as exc:
+        log.debug("failure", exc_info=exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME

@@ -1,0 +1,383 @@
+"""Typed settings: a TOML file, ``CLEANUP__SECTION__KEY`` environment overrides, secrets.
+
+Configuration is inert data. :func:`load` builds frozen dataclasses in one pass and raises
+:class:`~supervisor.errors.ConfigError` listing *every* problem, each naming its key.
+Secrets never come from the file: only from the environment variable a ``*token_env`` key
+names, or from the file that ``<VAR>_FILE`` points to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import croniter
+
+from supervisor.errors import ConfigError
+
+ENV_PREFIX = "CLEANUP__"
+
+
+class Secret:
+    """A token that never shows itself in logs, reprs or tracebacks."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    data_dir: Path = Path("./var")
+    listen: str = "127.0.0.1:8080"
+    shutdown_grace_seconds: float = 20.0
+    max_body_bytes: int = 256 * 1024
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    restart_backoff_seconds: float = 0.5
+    restart_backoff_max_seconds: float = 30.0
+    max_restarts: int = 5
+    restart_window_seconds: float = 60.0
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+    def problems(self) -> list[str]:
+        out = []
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            out.append(f"service.listen must be HOST:PORT, got {self.listen!r}")
+        out += _positive("service", self, "shutdown_grace_seconds", "max_body_bytes",
+                         "restart_backoff_seconds", "restart_backoff_max_seconds",
+                         "max_restarts", "restart_window_seconds")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerConfig:
+    token_env: str = "CLEANUP_TRIGGER_TOKEN"
+    token: Secret | None = None  # resolved from token_env, never read from the file
+
+    def problems(self) -> list[str]:
+        if self.token is None:
+            return [f"trigger.token_env: ${self.token_env} (or ${self.token_env}_FILE) is not "
+                    "set; the trigger endpoint never runs without a token"]
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleConfig:
+    name: str = "weekly"
+    cron: str | None = None
+    timezone: str = "UTC"
+    # skip: ticks missed while the service was down are dropped; latest: the most recent
+    # missed slot runs once at start-up.
+    missed: Literal["skip", "latest"] = "skip"
+    # skip: a tick while a run is unfinished is skipped and counted; allow: it opens a run.
+    overlap: Literal["skip", "allow"] = "skip"
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.cron is not None and not croniter.is_valid(self.cron):
+            out.append(f"schedule.cron is not a valid cron expression, got {self.cron!r}")
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            out.append(f"schedule.timezone is not a known time zone, got {self.timezone!r}")
+        if not self.name or len(self.name) > 100:
+            out.append("schedule.name must be 1 to 100 characters")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class SourceConfig:
+    kind: Literal["inline", "file", "http"] = "inline"
+    # file source
+    path: Path | None = None
+    format: Literal["jsonl", "csv"] = "jsonl"
+    # http source: GET url?{cursor_param}=..&{limit_param}=.. -> {items_field: [...], next_cursor_field: ...}
+    url: str | None = None
+    cursor_param: str = "cursor"
+    limit_param: str = "limit"
+    items_field: str = "items"
+    next_cursor_field: str = "next_cursor"
+    token_env: str | None = None
+    token: Secret | None = None
+    timeout_seconds: float = 30.0
+    # both: which field of an item holds the recipient ID, and how many per page
+    id_field: str = "id"
+    page_size: int = 500
+    max_page_retries: int = 5
+
+    def problems(self) -> list[str]:
+        out = _positive("source", self, "page_size", "timeout_seconds")
+        if self.max_page_retries < 0:
+            out.append(f"source.max_page_retries must be >= 0, got {self.max_page_retries}")
+        if self.kind == "file" and self.path is None:
+            out.append("source.path is required when source.kind = 'file'")
+        if self.kind == "http":
+            if self.url is None:
+                out.append("source.url is required when source.kind = 'http'")
+            elif urlsplit(self.url).scheme not in ("http", "https"):
+                out.append(f"source.url must be an http(s) URL, got {self.url!r}")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    backend: Literal["sqlite"] = "sqlite"
+    lease_seconds: float = 60.0
+    # A message received this many times ends its operation as failed: a poison message
+    # must not circulate for ever.
+    max_receives: int = 20
+    receive_batch: int = 32
+    poll_interval_seconds: float = 1.0
+
+    def problems(self) -> list[str]:
+        return _positive("queue", self, "lease_seconds", "max_receives", "receive_batch",
+                         "poll_interval_seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class PartnerConfig:
+    base_url: str = "http://127.0.0.1:9000"
+    delete_path: str = "/recipients/{recipient_id}"
+    probe_path: str | None = "/recipients/{recipient_id}"
+    token_env: str = "CUSTOMER_API_TOKEN"
+    token: Secret | None = None
+    idempotency_keys: bool = True
+    connect_timeout_seconds: float = 3.0
+    request_timeout_seconds: float = 10.0
+    max_attempts: int = 8
+    backoff_initial_seconds: float = 0.5
+    backoff_max_seconds: float = 60.0
+    # A Retry-After beyond this is clamped: the pause stops here and an alert can fire.
+    max_retry_after_seconds: float = 900.0
+
+    def problems(self) -> list[str]:
+        out = _positive("partner", self, "connect_timeout_seconds", "request_timeout_seconds",
+                        "max_attempts", "backoff_initial_seconds", "backoff_max_seconds",
+                        "max_retry_after_seconds")
+        if urlsplit(self.base_url).scheme not in ("http", "https"):
+            out.append(f"partner.base_url must be an http(s) URL, got {self.base_url!r}")
+        if "{recipient_id}" not in self.delete_path:
+            out.append(f"partner.delete_path must contain {{recipient_id}}, got {self.delete_path!r}")
+        if self.probe_path is not None and "{recipient_id}" not in self.probe_path:
+            out.append(f"partner.probe_path must contain {{recipient_id}}, got {self.probe_path!r}")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    # The documented partner limit: a ceiling the limiter never exceeds.
+    rate_per_second: float = 20.0
+    concurrency: int = 8
+    # Tokens the bucket may hold; small by default because a bucket as large as the rate
+    # lets about twice the limit through in one window (aiolimiter#298).
+    burst: float = 1.0
+    decrease_factor: float = 0.5
+    increase_per_second: float = 1.0
+    floor_per_second: float = 0.5
+
+    def problems(self) -> list[str]:
+        out = _positive("limits", self, "rate_per_second", "concurrency", "burst",
+                        "increase_per_second", "floor_per_second")
+        if not 0 < self.decrease_factor < 1:
+            out.append(f"limits.decrease_factor must be > 0 and < 1, got {self.decrease_factor}")
+        if self.floor_per_second > self.rate_per_second > 0:
+            out.append("limits.floor_per_second must be <= limits.rate_per_second, "
+                       f"got {self.floor_per_second} > {self.rate_per_second}")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    trigger: TriggerConfig = field(default_factory=TriggerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    source: SourceConfig = field(default_factory=SourceConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    partner: PartnerConfig = field(default_factory=PartnerConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.service.data_dir / "cleanup.sqlite3"
+
+
+_SECTIONS: dict[str, type[Any]] = {f.name: f.type for f in dataclasses.fields(Config)}  # type: ignore[misc]
+_SECRET_FIELDS = {"token"}
+
+
+def _positive(section: str, obj: object, *names: str) -> list[str]:
+    out = []
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            out.append(f"{section}.{name} must be > 0, got {value}")
+    return out
+
+
+def load(path: Path | None, environ: Mapping[str, str] | None = None) -> Config:
+    """Read ``path`` (or only defaults when None), apply environment overrides, validate.
+
+    Raises ConfigError listing every problem found, each naming its key.
+    """
+    env = os.environ if environ is None else environ
+    problems: list[str] = []
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError([f"config file {path} does not exist"]) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError([f"config file {path} cannot be read: {exc}"]) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([f"config file {path} is not valid TOML: {exc}"]) from None
+    problems += _apply_env_overrides(raw, env)
+
+    sections: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in _SECTIONS:
+            problems.append(f"unknown section [{name}]; known: {', '.join(_SECTIONS)}")
+        elif not isinstance(value, dict):
+            problems.append(f"{name} must be a table ([{name}]), got {type(value).__name__}")
+    for name in _SECTIONS:
+        cls = typing.get_type_hints(Config)[name]
+        table = raw.get(name, {})
+        built, section_problems = _build(name, cls, table if isinstance(table, dict) else {}, env)
+        problems += section_problems
+        if built is not None:
+            sections[name] = built
+            problems += built.problems()
+    if problems:
+        raise ConfigError(problems)
+    return Config(**sections)
+
+
+def _apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> list[str]:
+    problems = []
+    for var, text in env.items():
+        if not var.startswith(ENV_PREFIX):
+            continue
+        parts = var[len(ENV_PREFIX):].lower().split("__")
+        if len(parts) != 2 or not all(parts):
+            problems.append(f"environment variable {var} must look like {ENV_PREFIX}SECTION__KEY")
+            continue
+        section, key = parts
+        if key in _SECRET_FIELDS:
+            problems.append(f"environment variable {var}: secrets are set through *token_env")
+            continue
+        try:
+            value: Any = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text  # a bare string such as 0.0.0.0:8080 or a path
+        table = raw.setdefault(section, {})
+        if isinstance(table, dict):
+            table[key] = value
+    return problems
+
+
+def _build(section: str, cls: type[Any], table: dict[str, Any],
+           env: Mapping[str, str]) -> tuple[Any | None, list[str]]:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    problems = []
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in names or key in _SECRET_FIELDS:
+            hint = " (secrets come from the environment, see token_env)" if key in _SECRET_FIELDS else ""
+            problems.append(f"{section}.{key} is not a known key{hint}")
+            continue
+        converted, problem = _convert(f"{section}.{key}", hints[key], value)
+        if problem:
+            problems.append(problem)
+        else:
+            kwargs[key] = converted
+    if "token_env" in names:
+        default_env = next(f.default for f in dataclasses.fields(cls) if f.name == "token_env")
+        var = kwargs.get("token_env", default_env)
+        if var:
+            secret, problem = _read_secret(section, str(var), env)
+            if problem:
+                problems.append(problem)
+            kwargs["token"] = secret
+    if problems:
+        return None, problems
+    return cls(**kwargs), []
+
+
+def _read_secret(section: str, var: str, env: Mapping[str, str]) -> tuple[Secret | None, str]:
+    if var in env:
+        value = env[var].strip()
+        return (Secret(value), "") if value else (None, f"{section}.token_env: ${var} is empty")
+    file_var = f"{var}_FILE"
+    if file_var in env:
+        try:
+            value = Path(env[file_var]).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            return None, f"{section}.token_env: ${file_var} cannot be read: {exc.strerror}"
+        return (Secret(value), "") if value else (None, f"{section}.token_env: ${file_var} is empty")
+    return None, ""
+
+
+def _convert(key: str, hint: Any, value: Any) -> tuple[Any, str]:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _convert(key, args[0], value)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            return None, f"{key} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+        return value, ""
+    if hint is bool:
+        if not isinstance(value, bool):
+            return None, f"{key} must be true or false, got {value!r}"
+        return value, ""
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None, f"{key} must be an integer, got {value!r}"
+        return value, ""
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None, f"{key} must be a number, got {value!r}"
+        return float(value), ""
+    if hint is str:
+        if not isinstance(value, str):
+            return None, f"{key} must be a string, got {value!r}"
+        return value, ""
+    if hint is Path:
+        if not isinstance(value, str) or not value:
+            return None, f"{key} must be a path string, got {value!r}"
+        return Path(value), ""
+    raise TypeError(f"unsupported config type {hint!r} for {key}")  # a bug, not bad input

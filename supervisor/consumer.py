@@ -1,0 +1,248 @@
+"""The pull consumer pool: receive, check the ledger, pace, call the partner, record, ack."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import random
+from collections.abc import AsyncIterator, Callable
+
+from supervisor import metrics
+from supervisor.config import Config
+from supervisor.errors import StorageError
+from supervisor.ledger.base import Disposition, Ledger, Operation, Settlement
+from supervisor.limiter import AdaptiveLimiter
+from supervisor.partner import Answer, PartnerClient, Verdict
+from supervisor.queue.base import Delivery, Queue
+from supervisor.states import SETTLED, OpState
+
+log = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # waiting for a message
+    WAITING = "waiting"  # holding a message, waiting for the limiter: nothing sent yet
+    SENDING = "sending"  # a request may be in the air: let it finish within the grace
+
+
+class ConsumerPool:
+    """``limits.concurrency`` workers sharing one limiter and one HTTP pool.
+
+    :meth:`run` returns when :meth:`stop` has drained every worker. Stopping hands back at
+    once every message whose request has not left, gives requests in the air until the
+    grace period to finish, then cancels them and hands their messages back too.
+    """
+
+    def __init__(self, config: Config, ledger: Ledger, queue: Queue, limiter: AdaptiveLimiter,
+                 partner: PartnerClient, on_settled: Callable[[], None]) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.queue = queue
+        self.limiter = limiter
+        self.partner = partner
+        self._on_settled = on_settled
+        self._stopping = asyncio.Event()
+        self._phases: dict[asyncio.Task[None], Phase] = {}
+        self.settled = 0
+
+    async def run(self) -> None:
+        self._stopping = asyncio.Event()
+        metrics.WORKERS.set(self.config.limits.concurrency)
+        async with asyncio.TaskGroup() as tg:
+            for i in range(self.config.limits.concurrency):
+                task = tg.create_task(self._worker(), name=f"consumer-{i}")
+                self._phases[task] = Phase.IDLE
+
+    @property
+    def running(self) -> bool:
+        return bool(self._phases) and not self._stopping.is_set()
+
+    async def stop(self, grace_s: float) -> dict[str, int]:
+        """Drain the pool; return how many workers finished and how many were cut off."""
+        self._stopping.set()
+        for task, phase in self._phases.items():
+            if phase is not Phase.SENDING:
+                task.cancel("shutdown: nothing in the air")
+        pending = [t for t in self._phases if not t.done()]
+        cut = 0
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=grace_s)
+            for task in late:
+                task.cancel("shutdown: grace period over")
+                cut += 1
+            if late:
+                await asyncio.wait(late)
+        return {"workers": len(self._phases), "cut_off": cut}
+
+    async def _worker(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        lease_s = self.config.queue.lease_seconds
+        poll_s = self.config.queue.poll_interval_seconds
+        while not self._stopping.is_set():
+            self._phases[task] = Phase.IDLE
+            try:
+                deliveries = await self.queue.receive(1, lease_s)
+            except StorageError:
+                await self._backoff_storage()
+                continue
+            if not deliveries:
+                await self.queue.wait(poll_s)
+                continue
+            metrics.WORKERS_BUSY.inc()
+            try:
+                await self._handle(task, deliveries[0])
+            except StorageError as exc:
+                # Nothing was acked: the lease expires and the message comes back.
+                log.warning("could not record operation %s: %s",
+                            deliveries[0].message.operation_id, exc)
+                await self._backoff_storage()
+            finally:
+                metrics.WORKERS_BUSY.dec()
+        self._phases[task] = Phase.IDLE
+
+    async def _backoff_storage(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await self._stopping.wait()
+
+    async def _handle(self, task: asyncio.Task[None], delivery: Delivery) -> None:
+        msg = delivery.message
+        op = await self.ledger.get_operation(msg.operation_id)
+        if op is None:
+            log.warning("message for unknown operation %s dropped", msg.operation_id)
+            await self.queue.ack([delivery])
+            return
+        if op.state in SETTLED:
+            await self.queue.ack([delivery])  # a duplicate delivery of a settled operation
+            return
+        if op.unfinished_attempt and not self.config.partner.idempotency_keys:
+            # The last request may have acted and the partner cannot dedupe a resend:
+            # never resend blindly. Hold it for reconciliation.
+            await self._settle(delivery, op, OpState.AMBIGUOUS,
+                               f"attempt {op.attempts} has no recorded outcome; not resent")
+            return
+        if delivery.receives > self.config.queue.max_receives:
+            target = OpState.AMBIGUOUS if op.unfinished_attempt else OpState.FAILED
+            await self._settle(delivery, op, target,
+                               f"received {delivery.receives} times without an outcome")
+            return
+        await self._attempt(task, delivery, op)
+
+    async def _attempt(self, task: asyncio.Task[None], delivery: Delivery, op: Operation) -> None:
+        partner = self.config.partner
+        attempts = op.attempts
+        while True:
+            self._phases[task] = Phase.WAITING
+            try:
+                async with self._lease_kept(delivery):
+                    sent_at = await self.limiter.acquire()
+                    attempt_id = await self.ledger.begin_attempt(op.id, "delete")
+                    attempts += 1
+                    self._phases[task] = Phase.SENDING
+                    answer = await self.partner.delete(op.recipient_id, op.id)
+            except asyncio.CancelledError:
+                # Shutdown: hand the message back now instead of after the lease. If the
+                # request had left, the attempt stays unfinished and the redelivery
+                # treats it as ambiguous.
+                await asyncio.shield(self.queue.nack(delivery, 0.0))
+                raise
+            self._record_answer(answer)
+            if answer.verdict is Verdict.THROTTLED:
+                # Not a failed attempt: pause everyone, keep the message, try again.
+                self.limiter.on_throttle(sent_at, answer.retry_after_s)
+                await self._settle(delivery, op, OpState.RETRY_WAIT, None, attempt_id, answer,
+                                   disposition=Disposition.KEEP, refund=True)
+                attempts -= 1
+                continue
+            await self._conclude(delivery, op, attempt_id, answer, attempts, partner.max_attempts)
+            return
+
+    async def _conclude(self, delivery: Delivery, op: Operation, attempt_id: int, answer: Answer,
+                        attempts: int, max_attempts: int) -> None:
+        v = answer.verdict
+        if v in (Verdict.DELETED, Verdict.ABSENT):
+            self.limiter.on_success()
+            target = OpState.DELETED if v is Verdict.DELETED else OpState.ALREADY_ABSENT
+            await self._settle(delivery, op, target, None, attempt_id, answer)
+        elif v is Verdict.TERMINAL:
+            if answer.status == 422:
+                log.error("partner rejected Idempotency-Key %s as reused with another request",
+                          op.id, extra={"action": "idempotency_key_conflict"})
+            await self._settle(delivery, op, OpState.FAILED, f"partner answered {answer.detail}",
+                               attempt_id, answer)
+        elif v is Verdict.AMBIGUOUS and not self.config.partner.idempotency_keys:
+            await self._settle(delivery, op, OpState.AMBIGUOUS,
+                               f"{answer.detail} after the request was sent; not resent",
+                               attempt_id, answer)
+        elif attempts >= max_attempts:
+            # Transient, or ambiguous with keys: out of attempts. If any may have acted,
+            # the outcome is unknown, not failed.
+            target = OpState.AMBIGUOUS if v is Verdict.AMBIGUOUS else OpState.FAILED
+            await self._settle(delivery, op, target,
+                               f"gave up after {attempts} attempts: {answer.detail}",
+                               attempt_id, answer)
+        else:
+            delay = self._backoff(attempts)
+            if answer.retry_after_s is not None:
+                delay = max(delay, answer.retry_after_s)
+            await self._settle(delivery, op, OpState.RETRY_WAIT, None, attempt_id, answer,
+                               disposition=Disposition.RETRY, delay_s=delay)
+
+    def _backoff(self, attempts: int) -> float:
+        p = self.config.partner
+        ceiling = min(p.backoff_max_seconds, p.backoff_initial_seconds * 2.0 ** (attempts - 1))
+        # Equal jitter: spreads retries of a burst without ever retrying at once.
+        return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+    @staticmethod
+    def _record_answer(answer: Answer) -> None:
+        metrics.PARTNER_RESPONSES.labels(str(answer.status) if answer.status else "error").inc()
+        metrics.PARTNER_DURATION.observe(answer.elapsed_s)
+
+    async def _settle(self, delivery: Delivery, op: Operation, target: OpState,
+                      reason: str | None, attempt_id: int | None = None,
+                      answer: Answer | None = None, *,
+                      disposition: Disposition = Disposition.ACK, delay_s: float = 0.0,
+                      refund: bool = False) -> None:
+        settlement = Settlement(
+            operation_id=op.id, target=target, delivery=delivery, disposition=disposition,
+            delay_s=delay_s, reason=reason, attempt_id=attempt_id,
+            status=answer.status if answer else None,
+            outcome=answer.verdict.value if answer else None,
+            detail=answer.detail if answer else None, refund_attempt=refund)
+        # The commit must not be torn by a shutdown cancelling this worker: the ledger
+        # write is queued already, and we wait for it before unwinding.
+        leftover = await asyncio.shield(self.ledger.settle([settlement]))
+        for s in leftover:  # a transport outside the ledger's database: ack after commit
+            if s.delivery is None:
+                continue
+            if s.disposition is Disposition.ACK:
+                await self.queue.ack([s.delivery])
+            else:
+                await self.queue.nack(s.delivery, s.delay_s)
+        if target in SETTLED:
+            metrics.OPERATIONS.labels(target.value).inc()
+            self.settled += 1
+            self._on_settled()
+
+    @contextlib.asynccontextmanager
+    async def _lease_kept(self, delivery: Delivery) -> AsyncIterator[None]:
+        """Extend the lease while we hold the message, so no one else gets it meanwhile."""
+        lease_s = self.config.queue.lease_seconds
+
+        async def keep() -> None:
+            while True:
+                await asyncio.sleep(lease_s / 3)
+                with contextlib.suppress(StorageError):
+                    if not await self.queue.extend(delivery, lease_s):
+                        log.warning("lease on %s lost", delivery.message.operation_id)
+                        return
+
+        keeper = asyncio.create_task(keep(), name=f"lease:{delivery.message.operation_id}")
+        try:
+            yield
+        finally:
+            keeper.cancel()

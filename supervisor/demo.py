@@ -1,0 +1,148 @@
+"""``cleanup-supervisor demo``: the real service against the partner simulator, end to end.
+
+The simulator runs in its own process on loopback; the service runs here on the default
+configuration, pointed at it. A run is opened over HTTP, progress is shown live, and the
+last line of the report is ``key=value`` figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from supervisor import config
+from supervisor.service import Service
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxProcess:
+    url: str
+    process: asyncio.subprocess.Process
+
+
+@contextlib.asynccontextmanager
+async def sandbox_process(args: Sequence[str], token: str) -> AsyncIterator[SandboxProcess]:
+    """Start ``python -m supervisor.sandbox`` on a free port; stop it with SIGTERM."""
+    env = {**os.environ, "SANDBOX_TOKEN": token}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "supervisor.sandbox", "--port", "0", "--token-env",
+        "SANDBOX_TOKEN", *args, stdout=asyncio.subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the partner simulator exited before it listened")
+        yield SandboxProcess(orjson.loads(line)["url"], proc)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    config_path: Path
+    recipients: int = 3000
+    partner_rate: float = 100.0
+    absent_share: float = 0.05
+    fault_5xx: float = 0.0
+    fault_timeout_after_act: float = 0.0
+
+
+async def run_demo(opts: DemoOptions) -> int:
+    partner_token = secrets.token_urlsafe(24)
+    trigger_token = secrets.token_urlsafe(24)
+    sandbox_args = ["--recipients", str(opts.recipients), "--rate", str(opts.partner_rate),
+                    "--absent-share", str(opts.absent_share), "--fault-5xx",
+                    str(opts.fault_5xx), "--fault-timeout-after-act",
+                    str(opts.fault_timeout_after_act), "--hang-seconds", "3"]
+    with tempfile.TemporaryDirectory(prefix="cleanup-demo-") as data_dir:
+        async with sandbox_process(sandbox_args, partner_token) as sandbox:
+            environ = {
+                **os.environ,
+                "CUSTOMER_API_TOKEN": partner_token,
+                "CLEANUP_TRIGGER_TOKEN": trigger_token,
+                "CLEANUP__SERVICE__DATA_DIR": data_dir,
+                "CLEANUP__SERVICE__LISTEN": "127.0.0.1:0",
+                "CLEANUP__SOURCE__KIND": "http",
+                "CLEANUP__SOURCE__URL": f"{sandbox.url}/stale-recipients",
+                "CLEANUP__SOURCE__TOKEN_ENV": "CUSTOMER_API_TOKEN",
+                "CLEANUP__PARTNER__BASE_URL": sandbox.url,
+                "CLEANUP__PARTNER__REQUEST_TIMEOUT_SECONDS": "2",
+            }
+            cfg = config.load(opts.config_path, environ)
+            service = Service(cfg)
+            task = asyncio.create_task(service.run(), name="service")
+            started = asyncio.create_task(service.started.wait())
+            await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return await task
+            assert service.url is not None
+            print(f"partner simulator {sandbox.url}: {opts.recipients} stale recipients, "
+                  f"limit {opts.partner_rate:g}/s; service {service.url}, "
+                  f"{cfg.limits.concurrency} workers", flush=True)
+            try:
+                report = await _drive(service.url, sandbox.url, trigger_token, partner_token)
+            finally:
+                service.request_stop()
+                code = await task
+    ideal = opts.recipients / opts.partner_rate
+    report["ideal_seconds"] = round(ideal, 1)
+    counts = report
+    ok = (code == 0 and counts["duplicates"] == 0 and counts["failed"] == 0
+          and counts["unfinished"] == 0 and counts["discovered"] == opts.recipients)
+    print(f"\nrun {report.pop('run_id')}: ratio to ideal {report['seconds'] / ideal:.3f}, "
+          f"partner saw {report.pop('executions')} executed deletes")
+    keys = ("discovered", "deleted", "already_absent", "failed", "ambiguous", "duplicates",
+            "rate_limited", "seconds", "ideal_seconds")
+    print(" ".join(f"{k}={report[k]}" for k in keys), flush=True)
+    return 0 if ok else 1
+
+
+async def _drive(service_url: str, sandbox_url: str, trigger_token: str,
+                 partner_token: str) -> dict[str, Any]:
+    auth = {"Authorization": f"Bearer {trigger_token}"}
+    async with aiohttp.ClientSession() as session:
+        started = time.monotonic()
+        async with session.post(f"{service_url}/v1/runs", headers=auth,
+                                json={"schedule": "demo"}) as resp:
+            opened = orjson.loads(await resp.read())
+            if resp.status >= 300:
+                raise RuntimeError(f"trigger refused: {resp.status} {opened}")
+        run_id = opened["run"]["id"]
+        print(f"tick -> run {run_id} (created={opened['created']})", flush=True)
+        while True:
+            # The long-poll returns as soon as the run is done, else after a second:
+            # that second is the progress line's cadence.
+            async with session.get(f"{service_url}/v1/runs/{run_id}?wait=done&timeout=1",
+                                   headers=auth) as resp:
+                run = orjson.loads(await resp.read())
+            c = run["counts"]
+            print(f"  {time.monotonic() - started:6.1f}s {run['state']:9} "
+                  f"discovered={run['discovered']} deleted={c['deleted']} "
+                  f"already_absent={c['already_absent']} waiting={run['unfinished']} "
+                  f"failed={c['failed']} ambiguous={c['ambiguous']}", flush=True)
+            if run["state"] == "done":
+                break
+        elapsed = time.monotonic() - started
+        async with session.get(f"{sandbox_url}/_sandbox/stats",
+                               headers={"Authorization": f"Bearer {partner_token}"}) as resp:
+            stats = orjson.loads(await resp.read())
+    c = run["counts"]
+    return {"run_id": run_id, "discovered": run["discovered"], "deleted": c["deleted"],
+            "already_absent": c["already_absent"], "failed": c["failed"],
+            "ambiguous": c["ambiguous"], "unfinished": run["unfinished"],
+            "duplicates": stats["duplicates"], "rate_limited": stats["rate_limited"],
+            "executions": stats["executions"], "seconds": round(elapsed, 1)}

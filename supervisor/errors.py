@@ -1,0 +1,52 @@
+"""Every exception the service raises on purpose, and the CLI exit codes they map to."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_STARTUP = 3
+
+
+class CleanupError(Exception):
+    """Base of every error the service raises on purpose."""
+
+    exit_code = EXIT_RUNTIME
+
+
+class ConfigError(CleanupError):
+    """The configuration has one or more problems; each names the key that holds it."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+class StartupError(CleanupError):
+    """A component could not start (port taken, data dir unwritable, ...)."""
+
+    exit_code = EXIT_STARTUP
+
+
+class IllegalTransition(CleanupError):
+    """An operation was asked to move between two states the state machine forbids: a bug."""
+
+    def __init__(self, operation_id: str, current: str, target: str) -> None:
+        self.operation_id = operation_id
+        self.current = current
+        self.target = target
+        super().__init__(f"operation {operation_id}: illegal transition {current} -> {target}")
+
+
+class StorageError(CleanupError):
+    """The ledger could not commit (disk full, locked, read-only, corrupt)."""
+
+
+class SourceError(CleanupError):
+    """A candidate source answered something unusable (unreachable, malformed page)."""
+
+
+class TooManyCrashes(CleanupError):
+    """A component crashed more often than the restart policy allows."""

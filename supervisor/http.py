@@ -1,0 +1,317 @@
+"""The aiohttp application: trigger webhook, read API, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_async.aio.web import server_stats
+
+from supervisor.config import Config
+from supervisor.ledger.base import Ledger, Operation, Run
+from supervisor.runs import RunOpener, Tick
+from supervisor.sources import check_recipient_id
+from supervisor.states import OpState, RunState
+
+log = logging.getLogger(__name__)
+
+MAX_PAGE = 1000
+MAX_WAIT_S = 60.0
+MAX_INLINE_IDS = 10_000
+
+
+@dataclass
+class ApiState:
+    """What the handlers need from the service. ``accepting`` turns False at shutdown."""
+
+    config: Config
+    ledger: Ledger
+    opener: RunOpener
+    ready: Callable[[], tuple[bool, dict[str, bool]]]
+    runs_changed: asyncio.Condition
+    current_rate: Callable[[], float]
+    accepting: bool = True
+
+
+API = web.AppKey("api", ApiState)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    return _json({"error": message, **extra}, status)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@web.middleware
+async def error_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                           ) -> web.StreamResponse:
+    """Every error is JSON with a clear message; never a traceback to a client."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _error(exc.status, exc.message)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[API].config.service.max_body_bytes
+        return _error(413, f"request body larger than {limit} bytes")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.reason)
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error(500, "internal error; see the service log")
+
+
+def _authorize(request: web.Request) -> None:
+    token = request.app[API].config.trigger.token
+    header = request.headers.get("Authorization", "")
+    scheme, _, supplied = header.partition(" ")
+    # Compare in constant time, and compare even when the header is malformed so the
+    # timing does not reveal which check failed.
+    expected = token.reveal().encode() if token else b"\x00"
+    ok = hmac.compare_digest(supplied.strip().encode(), expected)
+    if token is None or scheme.lower() != "bearer" or not ok:
+        raise ApiError(401, "missing or wrong bearer token")
+
+
+def run_view(run: Run, counts: dict[OpState, int] | None = None,
+             rate: float | None = None) -> dict[str, Any]:
+    view: dict[str, Any] = {
+        "id": run.id, "state": run.state.value, "tick_key": run.tick_key,
+        "schedule": run.schedule, "scheduled_for": run.scheduled_for,
+        "source": run.source.get("kind"), "discovered": run.discovered,
+        "scan": {"pages": run.scan_pages, "cursor": run.scan_cursor,
+                 "skipped_candidates": run.skipped_candidates,
+                 "failures": run.scan_failures, "last_error": run.last_error},
+        "created_at": run.created_at, "scan_finished_at": run.scan_finished_at,
+        "finished_at": run.finished_at,
+    }
+    if counts is not None:
+        view["counts"] = {s.value: counts.get(s, 0) for s in OpState}
+        unfinished = sum(n for s, n in counts.items()
+                         if s in (OpState.DISCOVERED, OpState.QUEUED, OpState.IN_FLIGHT,
+                                  OpState.RETRY_WAIT))
+        view["unfinished"] = unfinished
+        if rate and run.state is not RunState.DONE:
+            view["projected_finish"] = time.time() + unfinished / rate
+    return view
+
+
+def op_view(op: Operation) -> dict[str, Any]:
+    return {"id": op.id, "run_id": op.run_id, "recipient_id": op.recipient_id,
+            "state": op.state.value, "attempts": op.attempts, "reason": op.reason,
+            "created_at": op.created_at, "updated_at": op.updated_at}
+
+
+def _parse_slot(value: Any) -> datetime:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            return datetime.fromtimestamp(value, UTC)
+        except (OverflowError, OSError, ValueError):
+            raise ApiError(400, "scheduled_for is out of range") from None
+    if isinstance(value, str):
+        try:
+            slot = datetime.fromisoformat(value)
+        except ValueError:
+            raise ApiError(400, "scheduled_for must be an ISO 8601 time or a Unix time") from None
+        if slot.tzinfo is None:
+            raise ApiError(400, "scheduled_for must carry a UTC offset")
+        return slot
+    raise ApiError(400, "scheduled_for must be an ISO 8601 time or a Unix time")
+
+
+async def _tick_from(request: web.Request) -> Tick:
+    config = request.app[API].config
+    body = await request.read()
+    doc: Any = {}
+    if body.strip():
+        if request.content_type != "application/json":
+            raise ApiError(415, "body must be application/json")
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(400, f"body is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ApiError(400, "body must be a JSON object")
+    unknown = set(doc) - {"schedule", "scheduled_for", "recipient_ids"}
+    if unknown:
+        raise ApiError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
+    schedule = doc.get("schedule", config.schedule.name)
+    if not isinstance(schedule, str) or not 0 < len(schedule) <= 100 or \
+            check_recipient_id(schedule) is not None:
+        raise ApiError(400, "schedule must be a string of 1 to 100 printable characters")
+    slot = _parse_slot(doc["scheduled_for"]) if "scheduled_for" in doc else None
+    ids = doc.get("recipient_ids")
+    if ids is not None:
+        if not isinstance(ids, list):
+            raise ApiError(400, "recipient_ids must be a list of strings")
+        if len(ids) > MAX_INLINE_IDS:
+            raise ApiError(400, f"recipient_ids holds more than {MAX_INLINE_IDS} IDs; "
+                                "use a file or http source")
+        for i, rid in enumerate(ids):
+            if (reason := check_recipient_id(rid)) is not None:
+                raise ApiError(400, f"recipient_ids[{i}] is not a valid ID ({reason})")
+    elif config.source.kind == "inline":
+        raise ApiError(400, "recipient_ids is required: source.kind is 'inline'")
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and (not 0 < len(key) <= 200 or check_recipient_id(key) is not None):
+        raise ApiError(400, "Idempotency-Key must be 1 to 200 printable characters")
+    return Tick(schedule=schedule, slot=slot, key=key, recipient_ids=ids)
+
+
+async def post_run(request: web.Request) -> web.Response:
+    _authorize(request)
+    api = request.app[API]
+    if not api.accepting:
+        raise ApiError(503, "shutting down; not accepting triggers")
+    if not api.ledger.healthy:
+        raise ApiError(503, "ledger cannot commit; not accepting triggers")
+    tick = await _tick_from(request)
+    result = await api.opener.open(tick)
+    if result.run is None:
+        assert result.skipped_for is not None
+        return _error(409, "a run is unfinished; tick skipped (schedule.overlap = 'skip')",
+                      active_run=result.skipped_for.id)
+    run = result.run
+    # Kept small: a cron provider may store only the first few KB of the answer.
+    return _json({"created": result.created, "run": {"id": run.id, "state": run.state.value,
+                                                      "tick_key": run.tick_key}},
+                 201 if result.created else 200)
+
+
+def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(400, f"{name} must be an integer") from None
+    if not lo <= value <= hi:
+        raise ApiError(400, f"{name} must be between {lo} and {hi}")
+    return value
+
+
+async def list_runs(request: web.Request) -> web.Response:
+    _authorize(request)
+    api = request.app[API]
+    limit = _int_param(request, "limit", 20, 1, 200)
+    runs = await api.ledger.list_runs(limit, request.query.get("before"))
+    return _json({"runs": [run_view(r) for r in runs]})
+
+
+def _done(run: Run) -> bool:
+    return run.state is RunState.DONE
+
+
+async def get_run(request: web.Request) -> web.Response:
+    _authorize(request)
+    api = request.app[API]
+    run_id = request.match_info["run_id"]
+    wait = request.query.get("wait")
+    if wait not in (None, "done"):
+        raise ApiError(400, "wait must be 'done'")
+    timeout = float(_int_param(request, "timeout", 30, 0, int(MAX_WAIT_S)))
+    run = await api.ledger.get_run(run_id)
+    if run is None:
+        raise ApiError(404, f"no run {run_id}")
+    if wait == "done" and not _done(run):
+        # Long-poll: woken by the monitor whenever runs change, not by a sleep loop.
+        deadline = time.monotonic() + timeout
+        async with api.runs_changed:
+            while run is not None and not _done(run):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    async with asyncio.timeout(remaining):
+                        await api.runs_changed.wait()
+                except TimeoutError:
+                    break
+                run = await api.ledger.get_run(run_id)
+        assert run is not None
+    counts = await api.ledger.run_counts(run_id)
+    return _json(run_view(run, counts, api.current_rate()))
+
+
+async def list_operations(request: web.Request) -> web.Response:
+    _authorize(request)
+    api = request.app[API]
+    run_id = request.match_info["run_id"]
+    if await api.ledger.get_run(run_id) is None:
+        raise ApiError(404, f"no run {run_id}")
+    state_param = request.query.get("state")
+    state = None
+    if state_param is not None:
+        try:
+            state = OpState(state_param)
+        except ValueError:
+            raise ApiError(400, f"state must be one of {', '.join(s.value for s in OpState)}"
+                           ) from None
+    limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
+    after = _int_param(request, "after", 0, 0, 2**62)
+    rows = await api.ledger.list_operations(run_id, state, after, limit)
+    next_after = rows[-1][0] if len(rows) == limit else None
+    return _json({"operations": [op_view(op) for _, op in rows], "next_after": next_after})
+
+
+async def get_operation(request: web.Request) -> web.Response:
+    _authorize(request)
+    api = request.app[API]
+    op_id = request.match_info["operation_id"]
+    op = await api.ledger.get_operation(op_id)
+    if op is None:
+        raise ApiError(404, f"no operation {op_id}")
+    attempts = await api.ledger.attempts(op_id)
+    view = op_view(op)
+    view["attempts_log"] = [
+        {"n": a.n, "kind": a.kind, "started_at": a.started_at, "finished_at": a.finished_at,
+         "status": a.status, "outcome": a.outcome, "detail": a.detail} for a in attempts]
+    return _json(view)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"ok": True})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    ok, checks = request.app[API].ready()
+    return _json({"ready": ok, "checks": checks}, 200 if ok else 503)
+
+
+async def metrics_handler(request: web.Request) -> web.StreamResponse:
+    response: web.StreamResponse = await server_stats(request)
+    return response
+
+
+def create_app(state: ApiState) -> web.Application:
+    app = web.Application(middlewares=[error_middleware],
+                          client_max_size=state.config.service.max_body_bytes)
+    app[API] = state
+    app.router.add_post("/v1/runs", post_run)
+    app.router.add_get("/v1/runs", list_runs)
+    app.router.add_get("/v1/runs/{run_id}", get_run)
+    app.router.add_get("/v1/runs/{run_id}/operations", list_operations)
+    app.router.add_get("/v1/operations/{operation_id}", get_operation)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_handler)
+    return app

@@ -1,0 +1,1 @@
+"""The ledger: runs, operations and attempts. The state machine is enforced here."""

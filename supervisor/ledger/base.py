@@ -1,0 +1,166 @@
+"""The ledger protocol and the records it hands out."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from supervisor.queue.base import Delivery, Message
+from supervisor.states import OpState, RunState
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    id: str
+    tick_key: str
+    schedule: str
+    scheduled_for: float | None
+    state: RunState
+    source: Mapping[str, Any]
+    scan_cursor: str | None
+    scan_pages: int
+    discovered: int
+    skipped_candidates: int
+    scan_failures: int
+    last_error: str | None
+    created_at: float
+    scan_finished_at: float | None
+    finished_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    id: str
+    run_id: str
+    recipient_id: str
+    state: OpState
+    attempts: int
+    reason: str | None
+    created_at: float
+    updated_at: float
+    # The newest attempt has no outcome: the request may have reached the partner.
+    unfinished_attempt: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    id: int
+    operation_id: str
+    n: int
+    kind: str
+    started_at: float
+    finished_at: float | None
+    status: int | None
+    outcome: str | None
+    detail: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class OpenRunResult:
+    run: Run | None
+    created: bool
+    # Set when no run was opened because another one is unfinished.
+    skipped_for: Run | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PageResult:
+    new_operations: int
+    run_state: RunState
+
+
+class Disposition(enum.Enum):
+    ACK = "ack"  # the operation is settled: the message is done
+    RETRY = "retry"  # claimable again after delay_s
+    KEEP = "keep"  # neither: the transport keeps its lease (it expires or is handed back)
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """One operation's outcome: the ledger change and what happens to its message."""
+
+    operation_id: str
+    target: OpState
+    delivery: Delivery | None
+    disposition: Disposition = Disposition.ACK
+    delay_s: float = 0.0
+    reason: str | None = None
+    attempt_id: int | None = None
+    status: int | None = None
+    outcome: str | None = None
+    detail: str | None = None
+    # A throttled attempt is not a failed one: it does not count towards max_attempts.
+    refund_attempt: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerStats:
+    by_state: Mapping[OpState, int] = field(default_factory=dict)
+    current_run: Run | None = None
+    current_run_by_state: Mapping[OpState, int] = field(default_factory=dict)
+    last_tick_at: float | None = None
+
+
+class Ledger(Protocol):
+    """Truth about runs and operations. Every write is durable when the call returns."""
+
+    @property
+    def healthy(self) -> bool:
+        """False while the last write failed (disk full, locked, read-only)."""
+
+    async def open_run(self, tick_key: str, schedule: str, scheduled_for: float | None,
+                       source: Mapping[str, Any], skip_if_unfinished: bool,
+                       reuse_within_s: float | None = None) -> OpenRunResult:
+        """Open the run for ``tick_key``, or return the one that tick already opened.
+
+        ``reuse_within_s``: a tick without a slot or key also matches any run of the same
+        schedule opened that recently (a caller that retried its request).
+        ``skip_if_unfinished``: open nothing while another run is unfinished.
+        """
+
+    async def get_run(self, run_id: str) -> Run | None: ...
+
+    async def list_runs(self, limit: int, before: str | None = None) -> list[Run]: ...
+
+    async def run_counts(self, run_id: str) -> dict[OpState, int]: ...
+
+    async def runs_to_scan(self) -> list[Run]: ...
+
+    async def record_page(self, run_id: str, recipient_ids: Sequence[str],
+                          next_cursor: str | None, skipped: int) -> PageResult:
+        """Write one page's operations and the cursor after it, in one transaction.
+
+        ``next_cursor`` None means the source is exhausted and the run starts draining.
+        A recipient already in the run keeps its operation: a resumed scan adds nothing.
+        """
+
+    async def record_scan_failure(self, run_id: str, error: str, give_up: bool) -> None:
+        """Count a failed page; ``give_up`` ends the scan and lets the run drain what it has."""
+
+    async def unpublished(self, limit: int) -> list[Message]:
+        """Operations discovered but not yet handed to the queue (the outbox)."""
+
+    async def mark_queued(self, operation_ids: Sequence[str]) -> None: ...
+
+    async def get_operation(self, operation_id: str) -> Operation | None: ...
+
+    async def list_operations(self, run_id: str, state: OpState | None, after: int,
+                              limit: int) -> list[tuple[int, Operation]]: ...
+
+    async def attempts(self, operation_id: str) -> list[Attempt]: ...
+
+    async def begin_attempt(self, operation_id: str, kind: str) -> int:
+        """Move the operation in flight and write its attempt *before* the request leaves."""
+
+    async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
+        """Commit outcomes; return the settlements whose message the transport must still
+        ack or nack (none when the queue lives in the ledger's own database)."""
+
+    async def finish_runs(self) -> list[str]:
+        """Mark draining runs with nothing left queued or in flight as done."""
+
+    async def stats(self) -> LedgerStats: ...
+
+    async def close(self) -> None: ...

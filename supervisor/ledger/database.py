@@ -1,0 +1,157 @@
+"""One SQLite file in WAL mode: a single writer with group commit, and a reader.
+
+Every write is a small coroutine run by the writer task. The writer takes whatever writes
+are waiting, runs them in one transaction and commits once, so a hundred workers settling
+at the same moment cost one fsync. A write that raises is rolled back to its own savepoint
+and only its caller sees the error; a commit that fails fails every write in the batch and
+marks the database unhealthy until a later commit succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiosqlite
+
+from supervisor.errors import StorageError
+from supervisor.ledger import sql
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Write = Callable[[aiosqlite.Connection], Awaitable[Any]]
+
+MAX_BATCH = 512
+
+
+class Database:
+    """Owns the SQLite connections. ``open()`` connects and starts the writer task."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._writer: aiosqlite.Connection | None = None
+        self._reader: aiosqlite.Connection | None = None
+        self._pending: asyncio.Queue[tuple[Write, asyncio.Future[Any]]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.healthy = False
+        self.last_error: str | None = None
+        self.commits = 0
+
+    async def open(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._writer = await aiosqlite.connect(self.path, isolation_level=None)
+            for pragma in sql.PRAGMAS:
+                await self._writer.execute(pragma)
+            await self._writer.executescript(sql.SCHEMA)
+            self._reader = await aiosqlite.connect(self.path, isolation_level=None)
+            await self._reader.execute("PRAGMA busy_timeout=5000")
+        except (OSError, sqlite3.Error) as exc:
+            await self.close()
+            raise StorageError(f"cannot open ledger {self.path}: {exc}") from exc
+        self.healthy = True
+        self._task = asyncio.create_task(self._write_loop(), name="ledger-writer")
+
+    async def close(self) -> None:
+        """Finish every queued write, then close. Safe to call twice."""
+        if self._task is not None:
+            await self._pending.join()
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for conn in (self._reader, self._writer):
+            if conn is not None:
+                with contextlib.suppress(sqlite3.Error, ValueError):
+                    await conn.close()
+        self._reader = self._writer = None
+
+    async def write(self, fn: Callable[[aiosqlite.Connection], Awaitable[T]]) -> T:
+        """Run ``fn`` inside the next group commit; return its result once committed.
+
+        The write is queued before this coroutine first suspends, so cancelling the caller
+        does not tear it: it commits (or fails) with its batch all the same.
+        """
+        if self._task is None:
+            raise StorageError("ledger is not open")
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending.put_nowait((fn, fut))
+        return await asyncio.shield(fut)
+
+    async def read(self, query: str, params: Any = ()) -> list[sqlite3.Row]:
+        if self._reader is None:
+            raise StorageError("ledger is not open")
+        try:
+            async with self._reader.execute(query, params) as cur:
+                return list(await cur.fetchall())
+        except sqlite3.Error as exc:
+            raise StorageError(f"ledger read failed: {exc}") from exc
+
+    async def read_one(self, query: str, params: Any = ()) -> sqlite3.Row | None:
+        rows = await self.read(query, params)
+        return rows[0] if rows else None
+
+    async def _write_loop(self) -> None:
+        assert self._writer is not None
+        conn = self._writer
+        while True:
+            batch = [await self._pending.get()]
+            while len(batch) < MAX_BATCH and not self._pending.empty():
+                batch.append(self._pending.get_nowait())
+            try:
+                await self._commit(conn, batch)
+            finally:
+                for _ in batch:
+                    self._pending.task_done()
+
+    async def _commit(self, conn: aiosqlite.Connection,
+                      batch: list[tuple[Write, asyncio.Future[Any]]]) -> None:
+        results: list[tuple[bool, Any]] = []
+        try:
+            await conn.execute("BEGIN IMMEDIATE")
+            for fn, _ in batch:
+                await conn.execute("SAVEPOINT w")
+                try:
+                    results.append((True, await fn(conn)))
+                except (sqlite3.OperationalError, sqlite3.DatabaseError):
+                    raise  # storage trouble: the whole batch fails below
+                except Exception as exc:  # the caller's own error: only its write undone
+                    await conn.execute("ROLLBACK TO w")
+                    results.append((False, exc))
+                await conn.execute("RELEASE w")
+            await conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                await conn.execute("ROLLBACK")
+            self._mark_unhealthy(exc)
+            error = StorageError(f"ledger commit failed: {exc}")
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(error)
+            return
+        self.commits += 1
+        if not self.healthy:
+            log.warning("ledger writable again", extra={"action": "ledger_recovered"})
+            self.healthy = True
+            self.last_error = None
+        for (ok, value), (_, fut) in zip(results, batch, strict=True):
+            if fut.done():
+                continue
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+    def _mark_unhealthy(self, exc: sqlite3.Error) -> None:
+        if self.healthy:
+            # One clear line per fault, not one per failed write.
+            log.error("ledger cannot commit: %s (%s); operations stay unacked until it can",
+                      exc, self.path, extra={"action": "ledger_unhealthy"})
+        self.healthy = False
+        self.last_error = str(exc)

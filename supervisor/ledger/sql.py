@@ -1,0 +1,212 @@
+"""Every SQL statement of the embedded (SQLite) ledger and queue, by name.
+
+Keeping them here makes the schema and the state changes reviewable in one file.
+"""
+
+from __future__ import annotations
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY,
+    tick_key TEXT NOT NULL UNIQUE,          -- schedule name + scheduled slot: a repeated tick dedupes here
+    schedule TEXT NOT NULL,
+    scheduled_for REAL,
+    state TEXT NOT NULL,
+    source TEXT NOT NULL,                   -- JSON: kind and, for inline runs, the IDs
+    scan_cursor TEXT,                       -- the last committed page's cursor: the scan resumes here
+    scan_pages INTEGER NOT NULL DEFAULT 0,
+    discovered INTEGER NOT NULL DEFAULT 0,
+    skipped_candidates INTEGER NOT NULL DEFAULT 0,
+    scan_failures INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    created_at REAL NOT NULL,
+    scan_finished_at REAL,
+    finished_at REAL
+);
+CREATE INDEX IF NOT EXISTS runs_state ON runs(state);
+
+CREATE TABLE IF NOT EXISTS operations (
+    id TEXT PRIMARY KEY,                    -- assigned once at discovery; the Idempotency-Key
+    run_id TEXT NOT NULL REFERENCES runs(id),
+    recipient_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    reason TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    UNIQUE (run_id, recipient_id)
+);
+CREATE INDEX IF NOT EXISTS operations_state ON operations(state);
+CREATE INDEX IF NOT EXISTS operations_run_state ON operations(run_id, state);
+
+CREATE TABLE IF NOT EXISTS attempts (
+    id INTEGER PRIMARY KEY,
+    operation_id TEXT NOT NULL REFERENCES operations(id),
+    n INTEGER NOT NULL,
+    kind TEXT NOT NULL,                     -- delete | probe | operator
+    started_at REAL NOT NULL,
+    finished_at REAL,
+    status INTEGER,
+    outcome TEXT,                           -- NULL while the request may still be in the air
+    detail TEXT
+);
+CREATE INDEX IF NOT EXISTS attempts_operation ON attempts(operation_id);
+
+-- The embedded queue: one row per operation. available_at doubles as the lease expiry,
+-- so an expired lease is simply a claimable message again.
+CREATE TABLE IF NOT EXISTS messages (
+    operation_id TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    recipient_id TEXT NOT NULL,
+    available_at REAL NOT NULL,
+    lease_token TEXT,
+    receives INTEGER NOT NULL DEFAULT 0,
+    enqueued_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_available ON messages(available_at);
+"""
+
+PRAGMAS = (
+    "PRAGMA journal_mode=WAL",
+    # FULL: a commit survives power loss, not only a killed process; group commit pays
+    # for the fsync once per batch.
+    "PRAGMA synchronous=FULL",
+    "PRAGMA foreign_keys=ON",
+    "PRAGMA busy_timeout=5000",
+)
+
+RUN_COLUMNS = (
+    "id, tick_key, schedule, scheduled_for, state, source, scan_cursor, scan_pages, "
+    "discovered, skipped_candidates, scan_failures, last_error, created_at, "
+    "scan_finished_at, finished_at"
+)
+OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at"
+
+# runs
+INSERT_RUN = (
+    "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, created_at) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tick_key) DO NOTHING"
+)
+SELECT_RUN_BY_TICK = f"SELECT {RUN_COLUMNS} FROM runs WHERE tick_key = ?"
+SELECT_RECENT_RUN_OF_SCHEDULE = (
+    f"SELECT {RUN_COLUMNS} FROM runs WHERE schedule = ? AND created_at >= ? "
+    "ORDER BY created_at DESC LIMIT 1"
+)
+SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = ?"
+SELECT_UNFINISHED_RUN = (
+    f"SELECT {RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
+)
+SELECT_RUNS = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC, id DESC LIMIT ?"
+SELECT_RUNS_BEFORE = (
+    f"SELECT {RUN_COLUMNS} FROM runs WHERE created_at < (SELECT created_at FROM runs WHERE id = ?) "
+    "ORDER BY created_at DESC, id DESC LIMIT ?"
+)
+SELECT_RUNS_TO_SCAN = f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
+SELECT_CURRENT_RUN = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
+SELECT_LAST_TICK = "SELECT MAX(created_at) FROM runs"
+UPDATE_RUN_PAGE = (
+    "UPDATE runs SET scan_cursor = ?, scan_pages = scan_pages + 1, "
+    "discovered = discovered + ?, skipped_candidates = skipped_candidates + ? "
+    "WHERE id = ? AND state = 'scanning'"
+)
+UPDATE_RUN_SCANNED = (
+    "UPDATE runs SET state = 'draining', scan_finished_at = ? WHERE id = ? AND state = 'scanning'"
+)
+UPDATE_RUN_SCAN_FAILURE = (
+    "UPDATE runs SET scan_failures = scan_failures + 1, last_error = ? WHERE id = ?"
+)
+UPDATE_RUN_SCAN_ABANDONED = (
+    "UPDATE runs SET state = 'draining', scan_finished_at = ?, last_error = ? "
+    "WHERE id = ? AND state = 'scanning'"
+)
+# A run is done when nothing is left to act on. Ambiguous operations do not hold it open:
+# they wait for evidence, and a stuck run would block every later tick.
+UPDATE_RUNS_DONE = (
+    "UPDATE runs SET state = 'done', finished_at = ? WHERE state = 'draining' AND NOT EXISTS ("
+    " SELECT 1 FROM operations o WHERE o.run_id = runs.id"
+    " AND o.state IN ('discovered', 'queued', 'in_flight', 'retry_wait')) RETURNING id"
+)
+COUNT_RUN_STATES = "SELECT state, COUNT(*) FROM operations WHERE run_id = ? GROUP BY state"
+COUNT_STATES = "SELECT state, COUNT(*) FROM operations GROUP BY state"
+
+# operations
+INSERT_OPERATION = (
+    "INSERT INTO operations (id, run_id, recipient_id, state, created_at, updated_at) "
+    "VALUES (?, ?, ?, 'discovered', ?, ?) ON CONFLICT (run_id, recipient_id) DO NOTHING"
+)
+SELECT_OPERATION = f"SELECT {OP_COLUMNS} FROM operations WHERE id = ?"
+SELECT_OPERATIONS = (
+    f"SELECT rowid, {OP_COLUMNS} FROM operations WHERE run_id = ? AND rowid > ? "
+    "ORDER BY rowid LIMIT ?"
+)
+SELECT_OPERATIONS_IN_STATE = (
+    f"SELECT rowid, {OP_COLUMNS} FROM operations WHERE run_id = ? AND state = ? AND rowid > ? "
+    "ORDER BY rowid LIMIT ?"
+)
+SELECT_UNPUBLISHED = (
+    "SELECT run_id, id, recipient_id FROM operations WHERE state = 'discovered' "
+    "ORDER BY rowid LIMIT ?"
+)
+SELECT_OP_STATE = "SELECT state, attempts FROM operations WHERE id = ?"
+UPDATE_OP_QUEUED = (
+    "UPDATE operations SET state = 'queued', updated_at = ? WHERE id = ? AND state = 'discovered'"
+)
+UPDATE_OP_STATE = (
+    "UPDATE operations SET state = ?, reason = COALESCE(?, reason), attempts = attempts + ?, "
+    "updated_at = ? WHERE id = ?"
+)
+
+# attempts
+INSERT_ATTEMPT = (
+    "INSERT INTO attempts (operation_id, n, kind, started_at) VALUES (?, ?, ?, ?) RETURNING id"
+)
+FINISH_ATTEMPT = (
+    "UPDATE attempts SET finished_at = ?, status = ?, outcome = ?, detail = ? "
+    "WHERE id = ? AND outcome IS NULL"
+)
+# A redelivery found the last attempt unfinished: its outcome is unknown for good.
+CLOSE_OPEN_ATTEMPTS = (
+    "UPDATE attempts SET finished_at = ?, outcome = 'unknown', "
+    "detail = 'no outcome recorded (process stopped or lease lost)' "
+    "WHERE operation_id = ? AND outcome IS NULL"
+)
+SELECT_ATTEMPTS = (
+    "SELECT id, operation_id, n, kind, started_at, finished_at, status, outcome, detail "
+    "FROM attempts WHERE operation_id = ? ORDER BY id"
+)
+SELECT_LAST_ATTEMPT_OPEN = (
+    "SELECT outcome IS NULL FROM attempts WHERE operation_id = ? ORDER BY id DESC LIMIT 1"
+)
+
+# embedded queue
+INSERT_MESSAGE = (
+    "INSERT INTO messages (operation_id, run_id, recipient_id, available_at, enqueued_at) "
+    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (operation_id) DO NOTHING"
+)
+CLAIM_MESSAGES = (
+    "UPDATE messages SET available_at = ?, lease_token = ?, receives = receives + 1 "
+    "WHERE operation_id IN (SELECT operation_id FROM messages WHERE available_at <= ? "
+    "ORDER BY available_at LIMIT ?) RETURNING run_id, operation_id, recipient_id, receives"
+)
+DELETE_MESSAGE = "DELETE FROM messages WHERE operation_id = ? AND lease_token = ?"
+RETRY_MESSAGE = (
+    "UPDATE messages SET available_at = ?, lease_token = NULL "
+    "WHERE operation_id = ? AND lease_token = ?"
+)
+EXTEND_MESSAGE = (
+    "UPDATE messages SET available_at = ? WHERE operation_id = ? AND lease_token = ?"
+)
+QUEUE_STATS = (
+    "SELECT "
+    " COUNT(*) FILTER (WHERE available_at <= :now),"
+    " COUNT(*) FILTER (WHERE available_at > :now AND lease_token IS NULL),"
+    " COUNT(*) FILTER (WHERE available_at > :now AND lease_token IS NOT NULL),"
+    " MIN(available_at) FILTER (WHERE available_at <= :now) "
+    "FROM messages"
+)
+NEXT_AVAILABLE = "SELECT MIN(available_at) FROM messages"
+# At start-up, under the data-dir lock, every lease belongs to a process that is gone.
+RELEASE_DEAD_LEASES = (
+    "UPDATE messages SET available_at = ?, lease_token = NULL "
+    "WHERE lease_token IS NOT NULL AND available_at > ?"
+)

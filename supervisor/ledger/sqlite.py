@@ -1,0 +1,260 @@
+"""The embedded ledger: runs, operations and attempts in one SQLite file.
+
+When the embedded queue shares the file (:class:`~supervisor.queue.sqlite.SqliteQueue`), an
+outcome and its ack commit in one transaction, so no message is ever acked whose outcome
+was not committed, and no committed outcome leaves its message behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import sqlite3
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiosqlite
+import orjson
+
+from supervisor import states
+from supervisor.ledger import sql
+from supervisor.ledger.base import (
+    Attempt,
+    Disposition,
+    LedgerStats,
+    OpenRunResult,
+    Operation,
+    PageResult,
+    Run,
+    Settlement,
+)
+from supervisor.ledger.database import Database
+from supervisor.queue.base import Message
+from supervisor.states import OpState, RunState
+
+
+def operation_id(run_id: str, recipient_id: str) -> str:
+    """The operation's ID, and so the partner's Idempotency-Key.
+
+    Derived from run and recipient so the same discovery always names the same operation,
+    even if a page is re-read after a crash. The unique (run, recipient) row keeps the
+    first one anyway; this makes the key reproducible from the audit trail too.
+    """
+    digest = hashlib.blake2b(f"{run_id}\x00{recipient_id}".encode(), digest_size=16)
+    return "op_" + digest.hexdigest()
+
+
+def new_run_id(now: float) -> str:
+    return "run_" + time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + "_" + secrets.token_hex(3)
+
+
+def _run(row: sqlite3.Row | tuple[Any, ...]) -> Run:
+    return Run(
+        id=row[0], tick_key=row[1], schedule=row[2], scheduled_for=row[3],
+        state=RunState(row[4]), source=orjson.loads(row[5]), scan_cursor=row[6],
+        scan_pages=row[7], discovered=row[8], skipped_candidates=row[9],
+        scan_failures=row[10], last_error=row[11], created_at=row[12],
+        scan_finished_at=row[13], finished_at=row[14],
+    )
+
+
+def _op(row: sqlite3.Row | tuple[Any, ...], unfinished: bool = False) -> Operation:
+    return Operation(
+        id=row[0], run_id=row[1], recipient_id=row[2], state=OpState(row[3]),
+        attempts=row[4], reason=row[5], created_at=row[6], updated_at=row[7],
+        unfinished_attempt=unfinished,
+    )
+
+
+class SqliteLedger:
+    """The :class:`~supervisor.ledger.base.Ledger` on one SQLite :class:`Database`."""
+
+    def __init__(self, db: Database, owns_queue: bool) -> None:
+        self.db = db
+        # True when the queue's messages live in this same file: acks join our transactions.
+        self._owns_queue = owns_queue
+
+    @property
+    def healthy(self) -> bool:
+        return self.db.healthy
+
+    async def open_run(self, tick_key: str, schedule: str, scheduled_for: float | None,
+                       source: Mapping[str, Any], skip_if_unfinished: bool,
+                       reuse_within_s: float | None = None) -> OpenRunResult:
+        async def write(conn: aiosqlite.Connection) -> OpenRunResult:
+            existing = await _fetchone(conn, sql.SELECT_RUN_BY_TICK, (tick_key,))
+            if existing is None and reuse_within_s is not None:
+                existing = await _fetchone(conn, sql.SELECT_RECENT_RUN_OF_SCHEDULE,
+                                           (schedule, time.time() - reuse_within_s))
+            if existing is not None:
+                return OpenRunResult(_run(existing), created=False)
+            if skip_if_unfinished:
+                busy = await _fetchone(conn, sql.SELECT_UNFINISHED_RUN, ())
+                if busy is not None:
+                    return OpenRunResult(None, created=False, skipped_for=_run(busy))
+            now = time.time()
+            run_id = new_run_id(now)
+            await conn.execute(sql.INSERT_RUN, (run_id, tick_key, schedule, scheduled_for,
+                                                RunState.SCANNING.value, orjson.dumps(source),
+                                                now))
+            row = await _fetchone(conn, sql.SELECT_RUN, (run_id,))
+            assert row is not None
+            return OpenRunResult(_run(row), created=True)
+
+        return await self.db.write(write)
+
+    async def get_run(self, run_id: str) -> Run | None:
+        row = await self.db.read_one(sql.SELECT_RUN, (run_id,))
+        return _run(row) if row else None
+
+    async def list_runs(self, limit: int, before: str | None = None) -> list[Run]:
+        if before is None:
+            rows = await self.db.read(sql.SELECT_RUNS, (limit,))
+        else:
+            rows = await self.db.read(sql.SELECT_RUNS_BEFORE, (before, limit))
+        return [_run(r) for r in rows]
+
+    async def run_counts(self, run_id: str) -> dict[OpState, int]:
+        rows = await self.db.read(sql.COUNT_RUN_STATES, (run_id,))
+        return {OpState(state): n for state, n in rows}
+
+    async def runs_to_scan(self) -> list[Run]:
+        return [_run(r) for r in await self.db.read(sql.SELECT_RUNS_TO_SCAN)]
+
+    async def record_page(self, run_id: str, recipient_ids: Sequence[str],
+                          next_cursor: str | None, skipped: int) -> PageResult:
+        now = time.time()
+        rows = [(operation_id(run_id, rid), run_id, rid, now, now) for rid in recipient_ids]
+
+        async def write(conn: aiosqlite.Connection) -> PageResult:
+            before = conn.total_changes
+            await conn.executemany(sql.INSERT_OPERATION, rows)
+            added = conn.total_changes - before
+            cur = await conn.execute(sql.UPDATE_RUN_PAGE,
+                                     (next_cursor, added, skipped, run_id))
+            if cur.rowcount == 0:
+                raise ValueError(f"run {run_id} is not scanning")
+            state = RunState.SCANNING
+            if next_cursor is None:
+                await conn.execute(sql.UPDATE_RUN_SCANNED, (now, run_id))
+                state = RunState.DRAINING
+            return PageResult(added, state)
+
+        return await self.db.write(write)
+
+    async def record_scan_failure(self, run_id: str, error: str, give_up: bool) -> None:
+        async def write(conn: aiosqlite.Connection) -> None:
+            await conn.execute(sql.UPDATE_RUN_SCAN_FAILURE, (error[:1000], run_id))
+            if give_up:
+                await conn.execute(sql.UPDATE_RUN_SCAN_ABANDONED,
+                                   (time.time(), f"scan abandoned: {error}"[:1000], run_id))
+
+        await self.db.write(write)
+
+    async def unpublished(self, limit: int) -> list[Message]:
+        rows = await self.db.read(sql.SELECT_UNPUBLISHED, (limit,))
+        return [Message(run_id=r[0], operation_id=r[1], recipient_id=r[2]) for r in rows]
+
+    async def mark_queued(self, operation_ids: Sequence[str]) -> None:
+        now = time.time()
+
+        async def write(conn: aiosqlite.Connection) -> None:
+            await conn.executemany(sql.UPDATE_OP_QUEUED, [(now, i) for i in operation_ids])
+
+        await self.db.write(write)
+
+    async def get_operation(self, operation_id: str) -> Operation | None:
+        row = await self.db.read_one(sql.SELECT_OPERATION, (operation_id,))
+        if row is None:
+            return None
+        last = await self.db.read_one(sql.SELECT_LAST_ATTEMPT_OPEN, (operation_id,))
+        return _op(row, unfinished=bool(last and last[0]))
+
+    async def list_operations(self, run_id: str, state: OpState | None, after: int,
+                              limit: int) -> list[tuple[int, Operation]]:
+        if state is None:
+            rows = await self.db.read(sql.SELECT_OPERATIONS, (run_id, after, limit))
+        else:
+            rows = await self.db.read(sql.SELECT_OPERATIONS_IN_STATE,
+                                      (run_id, state.value, after, limit))
+        return [(r[0], _op(r[1:])) for r in rows]
+
+    async def attempts(self, operation_id: str) -> list[Attempt]:
+        rows = await self.db.read(sql.SELECT_ATTEMPTS, (operation_id,))
+        return [Attempt(*r) for r in rows]
+
+    async def begin_attempt(self, operation_id: str, kind: str) -> int:
+        async def write(conn: aiosqlite.Connection) -> int:
+            now = time.time()
+            n = await _transition(conn, operation_id, OpState.IN_FLIGHT, None, count=1, now=now)
+            await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, (now, operation_id))
+            cur = await conn.execute(sql.INSERT_ATTEMPT, (operation_id, n, kind, now))
+            row = await cur.fetchone()
+            assert row is not None
+            return int(row[0])
+
+        return await self.db.write(write)
+
+    async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
+        async def write(conn: aiosqlite.Connection) -> None:
+            now = time.time()
+            for s in settlements:
+                await _transition(conn, s.operation_id, s.target, s.reason,
+                                  count=-1 if s.refund_attempt else 0, now=now)
+                if s.attempt_id is not None:
+                    await conn.execute(sql.FINISH_ATTEMPT, (now, s.status, s.outcome,
+                                                            s.detail, s.attempt_id))
+                if self._owns_queue and s.delivery is not None:
+                    token = s.delivery.lease_token
+                    if s.disposition is Disposition.ACK:
+                        await conn.execute(sql.DELETE_MESSAGE, (s.operation_id, token))
+                    elif s.disposition is Disposition.RETRY:
+                        await conn.execute(sql.RETRY_MESSAGE,
+                                           (now + s.delay_s, s.operation_id, token))
+
+        await self.db.write(write)
+        if self._owns_queue:
+            return []
+        return [s for s in settlements
+                if s.delivery is not None and s.disposition is not Disposition.KEEP]
+
+    async def finish_runs(self) -> list[str]:
+        async def write(conn: aiosqlite.Connection) -> list[str]:
+            cur = await conn.execute(sql.UPDATE_RUNS_DONE, (time.time(),))
+            return [r[0] for r in await cur.fetchall()]
+
+        return await self.db.write(write)
+
+    async def stats(self) -> LedgerStats:
+        by_state = {OpState(s): n for s, n in await self.db.read(sql.COUNT_STATES)}
+        row = await self.db.read_one(sql.SELECT_CURRENT_RUN)
+        current = _run(row) if row else None
+        current_counts = await self.run_counts(current.id) if current else {}
+        return LedgerStats(by_state=by_state, current_run=current,
+                           current_run_by_state=current_counts,
+                           last_tick_at=current.created_at if current else None)
+
+    async def close(self) -> None:
+        await self.db.close()
+
+
+async def _fetchone(conn: aiosqlite.Connection, query: str,
+                    params: Any) -> sqlite3.Row | None:
+    async with conn.execute(query, params) as cur:
+        return await cur.fetchone()
+
+
+async def _transition(conn: aiosqlite.Connection, operation_id: str, target: OpState,
+                      reason: str | None, count: int, now: float) -> int:
+    """Move one operation to ``target`` inside the caller's transaction; return its attempts.
+
+    Raises IllegalTransition (and the savepoint undoes the caller's write) when the state
+    machine forbids the move.
+    """
+    row = await _fetchone(conn, sql.SELECT_OP_STATE, (operation_id,))
+    if row is None:
+        raise KeyError(f"operation {operation_id} does not exist")
+    states.check(operation_id, OpState(row[0]), target)
+    await conn.execute(sql.UPDATE_OP_STATE, (target.value, reason, count, now, operation_id))
+    return int(row[1]) + count

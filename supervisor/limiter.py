@@ -1,0 +1,141 @@
+"""One adaptive rate limit shared by every worker, around ``aiolimiter.AsyncLimiter``.
+
+Policy (AIMD, measured against the partner's own answers):
+
+* never above the configured ceiling (the partner's documented limit);
+* on a 429: rate x ``decrease_factor`` (0.5 by default), once per throttle episode: 429s
+  for requests that left before the cut do not cut again;
+* while healthy: + ``increase_per_second`` tokens/s every second, back up to the ceiling;
+* never below ``floor_per_second``;
+* a ``Retry-After`` pauses *every* worker until then, and the bucket is emptied when the
+  pause ends so the waiters do not burst the moment it reopens. The server's wait is not
+  jittered: it told us exactly when.
+
+aiolimiter cannot change its rate at runtime (aiolimiter#98), so :func:`_retune` sets the
+bucket's rate in place and re-arms its timer; waiters already queued then drain at the new
+rate. tests/unit/test_limiter.py guards this against aiolimiter's internals changing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from aiolimiter import AsyncLimiter
+
+from supervisor.config import LimitsConfig
+
+
+def _retune(bucket: AsyncLimiter, rate: float, burst: float) -> None:
+    bucket.max_rate = burst
+    bucket.time_period = burst / rate
+    bucket._rate_per_sec = rate
+    bucket._wake_next()  # re-arm the timer of the waiter at the head with the new rate
+
+
+def _fill(bucket: AsyncLimiter) -> None:
+    """Leave no token in the bucket: the next acquisition waits one full token period."""
+    bucket._leak()
+    bucket._level = bucket.max_rate
+
+
+class AdaptiveLimiter:
+    """A token bucket whose rate follows the partner's 429s and Retry-After."""
+
+    def __init__(self, limits: LimitsConfig) -> None:
+        self.ceiling = limits.rate_per_second
+        self.floor = min(limits.floor_per_second, limits.rate_per_second)
+        self.burst = limits.burst
+        self.decrease_factor = limits.decrease_factor
+        self.increase_per_second = limits.increase_per_second
+        self.rate = self.ceiling
+        self._bucket: AsyncLimiter | None = None
+        self._paused_until = 0.0  # wall clock, for the metric and the ledger
+        self._pause_changed: asyncio.Event | None = None
+        self._last_cut = 0.0  # monotonic time of the last decrease
+        self._last_raise = time.monotonic()
+        self._pause_gen = 0  # bumped by every pause; the bucket is emptied once per pause
+        self._filled_gen = 0
+        self.throttles = 0
+
+    def _ensure(self) -> AsyncLimiter:
+        # Built lazily: aiolimiter binds itself to the running loop on first use.
+        if self._bucket is None:
+            self._bucket = AsyncLimiter(self.burst, self.burst / self.rate)
+            self._pause_changed = asyncio.Event()
+        return self._bucket
+
+    @property
+    def paused_until(self) -> float:
+        """Wall-clock time until which every worker is held (0 when not paused)."""
+        return self._paused_until if self._paused_until > time.time() else 0.0
+
+    async def acquire(self) -> float:
+        """Wait for a pause to end and for a token; return the monotonic time of the grant.
+
+        The grant time lets :meth:`on_throttle` tell a 429 for a request sent before the
+        last cut (already accounted for) from a new one.
+        """
+        bucket = self._ensure()
+        while True:
+            await self._wait_pause()
+            await bucket.acquire()
+            if self._paused_until <= time.time():
+                return time.monotonic()
+            # A pause began while we waited for the token: the token is forfeit.
+
+    async def _wait_pause(self) -> None:
+        assert self._pause_changed is not None
+        paused = False
+        while (remaining := self._paused_until - time.time()) > 0:
+            paused = True
+            self._pause_changed.clear()
+            # Wake at the deadline, or earlier if the pause is extended or lifted.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._pause_changed.wait()
+        if paused and self._bucket is not None and self._filled_gen != self._pause_gen:
+            self._filled_gen = self._pause_gen
+            _fill(self._bucket)
+
+    def on_success(self) -> None:
+        """A healthy answer: climb back towards the ceiling, additively, once per second."""
+        if self.rate >= self.ceiling:
+            return
+        now = time.monotonic()
+        elapsed = now - self._last_raise
+        if elapsed < 1.0:
+            return
+        self._last_raise = now
+        self._set_rate(min(self.ceiling, self.rate + self.increase_per_second * elapsed))
+
+    def on_throttle(self, sent_at: float, retry_after_s: float | None) -> None:
+        """A 429: cut the rate once per episode and pause every worker for Retry-After."""
+        self.throttles += 1
+        now = time.monotonic()
+        if sent_at >= self._last_cut:
+            self._last_cut = now
+            self._last_raise = now
+            self._set_rate(max(self.floor, self.rate * self.decrease_factor))
+        if retry_after_s is not None and retry_after_s > 0:
+            self.pause(retry_after_s)
+
+    def pause(self, seconds: float) -> None:
+        until = time.time() + seconds
+        if until <= self._paused_until:
+            return
+        self._paused_until = until
+        self._pause_gen += 1
+        self._ensure()
+        assert self._pause_changed is not None
+        self._pause_changed.set()
+        if self._bucket is not None:
+            _fill(self._bucket)
+
+    def _set_rate(self, rate: float) -> None:
+        if rate == self.rate:
+            return
+        self.rate = rate
+        if self._bucket is not None:
+            _retune(self._bucket, rate, self.burst)

@@ -1,0 +1,47 @@
+"""Every Prometheus metric, defined once. Names are an interface: dashboards depend on them."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+QUEUE_OLDEST_AGE = Gauge(
+    "cleanup_queue_oldest_message_age_seconds",
+    "Age of the oldest claimable message (not counting delayed retries): the paging signal.")
+QUEUE_DEPTH = Gauge("cleanup_queue_depth", "Messages claimable now.")
+QUEUE_PARKED = Gauge("cleanup_queue_parked_messages", "Messages waiting for a delayed retry.")
+QUEUE_LEASED = Gauge("cleanup_queue_leased_messages", "Messages held by a consumer.")
+
+LIMITER_PAUSED_UNTIL = Gauge(
+    "cleanup_limiter_paused_until_timestamp_seconds",
+    "Unix time until which a Retry-After holds every worker; 0 when not paused.")
+LIMITER_RATE = Gauge("cleanup_limiter_rate_per_second", "The current adaptive rate.")
+LIMITER_CEILING = Gauge("cleanup_limiter_ceiling_per_second", "The configured ceiling.")
+
+OPERATIONS = Counter("cleanup_operations", "Operations settled, by outcome.", ["outcome"])
+PARTNER_RESPONSES = Counter(
+    "cleanup_partner_responses", "Partner answers by HTTP status (or 'error').", ["status"])
+PARTNER_DURATION = Histogram(
+    "cleanup_partner_request_duration_seconds", "Partner DELETE latency.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+WORKERS_BUSY = Gauge("cleanup_workers_busy", "Workers holding a message.")
+WORKERS = Gauge("cleanup_workers", "Workers in the pool.")
+
+RUN_DISCOVERED = Gauge("cleanup_run_discovered_operations", "Operations the current run found.")
+RUN_UNFINISHED = Gauge(
+    "cleanup_run_unfinished_operations",
+    "Operations of the current run not yet deleted, already_absent or failed.")
+RUN_PROJECTED_FINISH = Gauge(
+    "cleanup_run_projected_finish_timestamp_seconds",
+    "When the current run's drain will end at the current rate; 0 when done.")
+AMBIGUOUS = Gauge("cleanup_ambiguous_operations", "Operations waiting for reconciliation.")
+SCAN_FAILURES = Counter("cleanup_scan_failures", "Candidate pages that could not be read.")
+SCAN_SKIPPED = Counter(
+    "cleanup_scan_skipped_candidates", "Candidates rejected as malformed.", ["reason"])
+LAST_TICK = Gauge("cleanup_last_tick_timestamp_seconds", "Unix time of the last run opened.")
+TICKS = Counter("cleanup_ticks", "Ticks received, by result.", ["result"])
+
+COMPONENT_RESTARTS = Counter(
+    "cleanup_component_restarts", "Components restarted after a crash.", ["component"])
+LEDGER_HEALTHY = Gauge("cleanup_ledger_healthy", "1 when the ledger commits, 0 on a fault.")
+READY = Gauge("cleanup_ready", "1 when /readyz answers 200.")

@@ -1,0 +1,76 @@
+"""Closes finished runs and refreshes the gauges that come from the ledger and the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from supervisor import metrics
+from supervisor.ledger.base import Ledger
+from supervisor.limiter import AdaptiveLimiter
+from supervisor.queue.base import Queue
+from supervisor.states import SETTLED, TERMINAL, OpState, RunState
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 1.0
+
+
+class Monitor:
+    """Wakes on every settlement (at most every 100 ms) and at least once a second."""
+
+    def __init__(self, ledger: Ledger, queue: Queue, limiter: AdaptiveLimiter,
+                 runs_changed: asyncio.Condition) -> None:
+        self.ledger = ledger
+        self.queue = queue
+        self.limiter = limiter
+        self.runs_changed = runs_changed
+        self.settled = asyncio.Event()
+
+    async def run(self) -> None:
+        metrics.LIMITER_CEILING.set(self.limiter.ceiling)
+        last_refresh = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(REFRESH_S):
+                    await self.settled.wait()
+            self.settled.clear()
+            if self.ledger.healthy:
+                done = await self.ledger.finish_runs()
+                for run_id in done:
+                    log.info("run %s done", run_id, extra={"run_id": run_id, "action": "run_done"})
+                async with self.runs_changed:
+                    self.runs_changed.notify_all()
+            if time.monotonic() - last_refresh >= REFRESH_S:
+                last_refresh = time.monotonic()
+                await self.refresh()
+            await asyncio.sleep(0.1)  # coalesce bursts of settlements into one pass
+
+    async def refresh(self) -> None:
+        metrics.LIMITER_RATE.set(self.limiter.rate)
+        metrics.LIMITER_PAUSED_UNTIL.set(self.limiter.paused_until)
+        metrics.LEDGER_HEALTHY.set(1 if self.ledger.healthy else 0)
+        q = await self.queue.stats()
+        metrics.QUEUE_DEPTH.set(q.depth)
+        metrics.QUEUE_PARKED.set(q.parked)
+        metrics.QUEUE_LEASED.set(q.leased)
+        metrics.QUEUE_OLDEST_AGE.set(q.oldest_claimable_age_s)
+        s = await self.ledger.stats()
+        metrics.AMBIGUOUS.set(s.by_state.get(OpState.AMBIGUOUS, 0))
+        if s.last_tick_at is not None:
+            metrics.LAST_TICK.set(s.last_tick_at)
+        run = s.current_run
+        if run is None:
+            return
+        counts = s.current_run_by_state
+        discovered = sum(counts.values())
+        unfinished = sum(n for st, n in counts.items() if st not in TERMINAL)
+        metrics.RUN_DISCOVERED.set(discovered)
+        metrics.RUN_UNFINISHED.set(unfinished)
+        active = sum(n for st, n in counts.items() if st not in SETTLED)
+        if run.state is RunState.DONE or active == 0:
+            metrics.RUN_PROJECTED_FINISH.set(0)
+        else:
+            metrics.RUN_PROJECTED_FINISH.set(time.time() + active / max(self.limiter.rate, 1e-9))

@@ -1,0 +1,174 @@
+"""The deletion client: one HTTP call per attempt, classified into what the ledger needs.
+
+Where the line between *transient* and *ambiguous* is drawn matters most: a failure before
+the request left (connect refused, connect timeout) cannot have acted, so retrying is
+safe; a timeout or reset after it left may have acted, so the outcome is unknown.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import aiohttp
+from yarl import URL
+
+from supervisor.config import PartnerConfig
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024
+
+
+class Verdict(enum.Enum):
+    DELETED = "deleted"
+    ABSENT = "absent"
+    THROTTLED = "throttled"
+    TRANSIENT = "transient"  # did not act; safe to retry
+    TERMINAL = "terminal"  # will never succeed as sent
+    AMBIGUOUS = "ambiguous"  # may have acted
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    verdict: Verdict
+    status: int | None
+    detail: str
+    retry_after_s: float | None = None
+    elapsed_s: float = 0.0
+
+
+class Presence(enum.Enum):
+    PRESENT = "present"
+    ABSENT = "absent"
+    UNKNOWN = "unknown"
+
+
+def parse_retry_after(value: str | None, now: float, maximum: float) -> float | None:
+    """Seconds to wait from a Retry-After (delay-seconds or HTTP-date, RFC 9110 §10.2.3).
+
+    None when absent or unparseable; clamped to [0, maximum].
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:  # RFC 9110 dates are GMT
+            return None
+        seconds = when.timestamp() - now
+    if seconds != seconds:  # NaN
+        return None
+    return min(max(seconds, 0.0), maximum)
+
+
+def classify(status: int, retry_after_s: float | None) -> Verdict:
+    if 200 <= status < 300:
+        return Verdict.DELETED
+    if status in (404, 410):
+        return Verdict.ABSENT
+    if status == 429:
+        return Verdict.THROTTLED
+    # 409: the original request with this key is still in progress (IETF Idempotency-Key
+    # draft): retry later with the same key.
+    if status in (408, 409) or status >= 500:
+        return Verdict.TRANSIENT
+    return Verdict.TERMINAL
+
+
+def recipient_path(template: str, recipient_id: str) -> str:
+    encoded = quote(recipient_id, safe="")
+    if encoded in (".", ".."):
+        # Dot segments would be resolved away and address the parent collection.
+        encoded = encoded.replace(".", "%2E")
+    return template.replace("{recipient_id}", encoded)
+
+
+class PartnerClient:
+    """DELETE with Bearer token and ``Idempotency-Key``; one pooled session for all workers."""
+
+    def __init__(self, config: PartnerConfig, pool_size: int) -> None:
+        self.config = config
+        self._pool_size = pool_size
+        self._session: aiohttp.ClientSession | None = None
+        self._base = config.base_url.rstrip("/")
+
+    async def start(self) -> None:
+        headers = {"User-Agent": "cleanup-supervisor"}
+        if self.config.token is not None:
+            headers["Authorization"] = f"Bearer {self.config.token.reveal()}"
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self._pool_size, limit_per_host=self._pool_size),
+            timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_seconds,
+                                          connect=self.config.connect_timeout_seconds),
+            headers=headers,
+        )
+        # aiohttp silently resends an idempotent method (DELETE) once when a pooled
+        # connection drops mid-request. A DELETE that may have acted must never be resent
+        # behind the ledger's back: whether to retry is the consumer's decision, made on
+        # the recorded attempt. aiohttp's own test client uses this same switch.
+        self._session._retry_connection = False
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _url(self, template: str, recipient_id: str) -> URL:
+        return URL(self._base + recipient_path(template, recipient_id), encoded=True)
+
+    async def delete(self, recipient_id: str, idempotency_key: str) -> Answer:
+        """Send one DELETE; never raises for the partner's or the network's failures."""
+        assert self._session is not None, "PartnerClient.start() was not awaited"
+        url = self._url(self.config.delete_path, recipient_id)
+        headers = {}
+        if self.config.idempotency_keys:
+            headers["Idempotency-Key"] = idempotency_key
+        started = time.monotonic()
+        try:
+            async with self._session.delete(url, headers=headers,
+                                            allow_redirects=False) as resp:
+                await resp.content.read(MAX_BODY_BYTES)
+                retry_after = parse_retry_after(resp.headers.get("Retry-After"), time.time(),
+                                                self.config.max_retry_after_seconds)
+                verdict = classify(resp.status, retry_after)
+                detail = f"HTTP {resp.status}"
+                if resp.headers.get("Idempotent-Replayed", "").lower() == "true":
+                    detail += " (replayed)"
+                return Answer(verdict, resp.status, detail, retry_after,
+                              time.monotonic() - started)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            # Never connected: the partner cannot have acted.
+            return Answer(Verdict.TRANSIENT, None, f"connect failed: {type(exc).__name__}",
+                          elapsed_s=time.monotonic() - started)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            # Sent, or possibly sent: a timeout, reset or garbled answer after the request
+            # left cannot tell us whether the partner acted.
+            return Answer(Verdict.AMBIGUOUS, None, f"no answer: {type(exc).__name__}",
+                          elapsed_s=time.monotonic() - started)
+
+    async def probe(self, recipient_id: str) -> tuple[Presence, str]:
+        """Ask whether the recipient still exists (reconciliation evidence)."""
+        assert self._session is not None, "PartnerClient.start() was not awaited"
+        if self.config.probe_path is None:
+            return Presence.UNKNOWN, "no probe configured"
+        url = self._url(self.config.probe_path, recipient_id)
+        try:
+            async with self._session.get(url, allow_redirects=False) as resp:
+                await resp.content.read(MAX_BODY_BYTES)
+                if 200 <= resp.status < 300:
+                    return Presence.PRESENT, f"probe HTTP {resp.status}"
+                if resp.status in (404, 410):
+                    return Presence.ABSENT, f"probe HTTP {resp.status}"
+                return Presence.UNKNOWN, f"probe HTTP {resp.status}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return Presence.UNKNOWN, f"probe failed: {type(exc).__name__}"

@@ -1,0 +1,1 @@
+"""The queue: transport for one small message per operation."""

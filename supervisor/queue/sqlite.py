@@ -1,0 +1,106 @@
+"""The embedded queue: a table in the ledger's own SQLite file."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Sequence
+
+import aiosqlite
+
+from supervisor.ledger import sql
+from supervisor.ledger.database import Database
+from supervisor.queue.base import Delivery, Message, QueueStats
+
+
+class SqliteQueue:
+    """:class:`~supervisor.queue.base.Queue` sharing the ledger's :class:`Database`.
+
+    ``available_at`` is both the delay and the lease: a claim pushes it ``lease_s`` ahead,
+    so a consumer that dies simply lets the message become claimable again.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._wakeup = asyncio.Event()
+
+    async def publish(self, messages: Sequence[Message]) -> None:
+        now = time.time()
+        rows = [(m.operation_id, m.run_id, m.recipient_id, now, now) for m in messages]
+
+        async def write(conn: aiosqlite.Connection) -> None:
+            await conn.executemany(sql.INSERT_MESSAGE, rows)
+
+        await self.db.write(write)
+        self._wakeup.set()
+
+    async def receive(self, max_messages: int, lease_s: float) -> list[Delivery]:
+        token = secrets.token_hex(8)
+
+        async def write(conn: aiosqlite.Connection) -> list[Delivery]:
+            now = time.time()
+            async with conn.execute(sql.CLAIM_MESSAGES,
+                                    (now + lease_s, token, now, max_messages)) as cur:
+                rows = await cur.fetchall()
+            return [Delivery(Message(r[0], r[1], r[2]), token, r[3]) for r in rows]
+
+        return await self.db.write(write)
+
+    async def wait(self, timeout_s: float) -> None:
+        row = await self.db.read_one(sql.NEXT_AVAILABLE)
+        if row is not None and row[0] is not None:
+            timeout_s = max(0.0, min(timeout_s, row[0] - time.time()))
+        self._wakeup.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._wakeup.wait()
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        rows = [(d.message.operation_id, d.lease_token) for d in deliveries]
+
+        async def write(conn: aiosqlite.Connection) -> None:
+            await conn.executemany(sql.DELETE_MESSAGE, rows)
+
+        await self.db.write(write)
+
+    async def nack(self, delivery: Delivery, delay_s: float) -> None:
+        async def write(conn: aiosqlite.Connection) -> None:
+            await conn.execute(sql.RETRY_MESSAGE, (time.time() + delay_s,
+                                                   delivery.message.operation_id,
+                                                   delivery.lease_token))
+
+        await self.db.write(write)
+        if delay_s <= 0:
+            self._wakeup.set()
+
+    async def extend(self, delivery: Delivery, lease_s: float) -> bool:
+        async def write(conn: aiosqlite.Connection) -> bool:
+            cur = await conn.execute(sql.EXTEND_MESSAGE, (time.time() + lease_s,
+                                                          delivery.message.operation_id,
+                                                          delivery.lease_token))
+            return cur.rowcount == 1
+
+        return await self.db.write(write)
+
+    async def recover_leases(self) -> int:
+        """Hand back leases a previous process held; call once, under the data-dir lock."""
+
+        async def write(conn: aiosqlite.Connection) -> int:
+            now = time.time()
+            cur = await conn.execute(sql.RELEASE_DEAD_LEASES, (now, now))
+            return cur.rowcount
+
+        released = await self.db.write(write)
+        if released:
+            self._wakeup.set()
+        return released
+
+    async def stats(self) -> QueueStats:
+        now = time.time()
+        row = await self.db.read_one(sql.QUEUE_STATS, {"now": now})
+        assert row is not None
+        oldest = now - row[3] if row[3] is not None else 0.0
+        return QueueStats(depth=row[0], parked=row[1], leased=row[2],
+                          oldest_claimable_age_s=max(0.0, oldest))

@@ -1,0 +1,73 @@
+"""Opening runs from ticks, wherever they come from (webhook or embedded schedule)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from supervisor import metrics
+from supervisor.config import Config
+from supervisor.ledger.base import Ledger, OpenRunResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """A request to open a run. ``slot`` is the scheduled time it stands for, if known."""
+
+    schedule: str
+    slot: datetime | None = None
+    key: str | None = None  # a caller's Idempotency-Key, when it has no slot
+    recipient_ids: Sequence[Any] | None = None
+
+    def tick_key(self, now: datetime) -> str:
+        if self.slot is not None:
+            return f"{self.schedule}@{self.slot.astimezone(UTC).isoformat()}"
+        if self.key is not None:
+            return f"{self.schedule}#{self.key}"
+        return f"{self.schedule}@{now.astimezone(UTC).isoformat()}"
+
+
+class RunOpener:
+    """Applies tick dedup and the overlap policy, then wakes the scanner."""
+
+    # A tick with neither slot nor key matches a run of its schedule opened this recently:
+    # a cron caller retrying its POST must not open a second run.
+    UNKEYED_DEDUP_S = 600.0
+
+    def __init__(self, config: Config, ledger: Ledger, on_created: asyncio.Event) -> None:
+        self.config = config
+        self.ledger = ledger
+        self._on_created = on_created
+
+    async def open(self, tick: Tick) -> OpenRunResult:
+        now = datetime.now(UTC)
+        if tick.recipient_ids is not None:
+            source: dict[str, Any] = {"kind": "inline", "ids": list(tick.recipient_ids)}
+        else:
+            source = {"kind": self.config.source.kind}
+        result = await self.ledger.open_run(
+            tick.tick_key(now), tick.schedule,
+            tick.slot.timestamp() if tick.slot else None, source,
+            skip_if_unfinished=self.config.schedule.overlap == "skip",
+            reuse_within_s=self.UNKEYED_DEDUP_S if tick.slot is None and tick.key is None
+            else None)
+        if result.created:
+            assert result.run is not None
+            metrics.TICKS.labels("opened").inc()
+            metrics.LAST_TICK.set(result.run.created_at)
+            log.info("run %s opened by tick %s", result.run.id, result.run.tick_key,
+                     extra={"run_id": result.run.id, "action": "run_opened"})
+            self._on_created.set()
+        elif result.skipped_for is not None:
+            metrics.TICKS.labels("skipped_overlap").inc()
+            log.info("tick skipped: run %s is unfinished", result.skipped_for.id,
+                     extra={"run_id": result.skipped_for.id, "action": "tick_skipped"})
+        else:
+            metrics.TICKS.labels("duplicate").inc()
+        return result

@@ -1,0 +1,129 @@
+"""CLI: ``python -m supervisor.sandbox [flags]``.
+
+Prints one JSON line ``{"url": ..., "pid": ...}`` once listening, then serves until
+SIGTERM/SIGINT and exits 0. The token is read from the environment variable named by
+``--token-env`` so it never shows up in ``ps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+import orjson
+
+from supervisor.sandbox.config import RETRY_AFTER_FORMATS, WINDOWS, SandboxConfig
+from supervisor.sandbox.server import run_sandbox
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = SandboxConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m supervisor.sandbox",
+        description="Run the rate-limited partner API simulator.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--recipients", type=int, default=d.recipients)
+    p.add_argument("--absent-share", type=float, default=d.absent_share)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--token-env",
+        metavar="VAR",
+        default=None,
+        help="require 'Authorization: Bearer $VAR' on the partner endpoints",
+    )
+    p.add_argument("--rate", type=float, default=d.rate_per_second, help="<= 0 disables")
+    p.add_argument("--burst", type=float, default=d.burst)
+    p.add_argument("--window", choices=WINDOWS, default=d.window)
+    p.add_argument(
+        "--retry-after-format", choices=RETRY_AFTER_FORMATS, default=d.retry_after_format
+    )
+    p.add_argument("--ratelimit-headers", action="store_true", default=d.ratelimit_headers)
+    p.add_argument(
+        "--no-idempotency",
+        dest="honour_idempotency_keys",
+        action="store_false",
+        default=d.honour_idempotency_keys,
+        help="ignore Idempotency-Key headers",
+    )
+    p.add_argument("--fault-5xx", type=float, default=d.fault_5xx)
+    p.add_argument("--fault-timeout-after-act", type=float, default=d.fault_timeout_after_act)
+    p.add_argument("--fault-reset-after-act", type=float, default=d.fault_reset_after_act)
+    p.add_argument("--hang-seconds", type=float, default=d.hang_seconds)
+    p.add_argument("--latency-ms", type=float, default=d.latency_ms)
+    p.add_argument("--page-delay-ms", type=float, default=d.page_delay_ms)
+    p.add_argument("--garbage-share", type=float, default=d.garbage_share)
+    return p
+
+
+def config_from_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str]
+) -> SandboxConfig:
+    token: str | None = None
+    if args.token_env is not None:
+        token = environ.get(args.token_env)
+        if not token:
+            parser.error(f"environment variable {args.token_env} is unset or empty")
+    try:
+        return SandboxConfig(
+            recipients=args.recipients,
+            absent_share=args.absent_share,
+            seed=args.seed,
+            token=token,
+            rate_per_second=args.rate,
+            burst=args.burst,
+            window=args.window,
+            retry_after_format=args.retry_after_format,
+            ratelimit_headers=args.ratelimit_headers,
+            honour_idempotency_keys=args.honour_idempotency_keys,
+            fault_5xx=args.fault_5xx,
+            fault_timeout_after_act=args.fault_timeout_after_act,
+            fault_reset_after_act=args.fault_reset_after_act,
+            hang_seconds=args.hang_seconds,
+            latency_ms=args.latency_ms,
+            page_delay_ms=args.page_delay_ms,
+            garbage_share=args.garbage_share,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+async def serve(config: SandboxConfig, host: str, port: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    async with run_sandbox(config, host, port) as sandbox:
+        line = orjson.dumps({"url": sandbox.url, "pid": os.getpid()})
+        sys.stdout.write(line.decode() + "\n")
+        # Whoever spawned us blocks on this line to learn the port; don't let it sit in a buffer.
+        sys.stdout.flush()
+        await stop.wait()
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        # Optional speed-up; the stdlib loop is fine where uvloop does not build.
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = config_from_args(parser, args, os.environ)
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(serve(config, args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

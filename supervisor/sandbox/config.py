@@ -1,0 +1,121 @@
+"""Static configuration of the partner API simulator, and the knobs that may change at runtime."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+Window = Literal["bucket", "minute"]
+RetryAfterFormat = Literal["seconds", "http-date"]
+
+WINDOWS: tuple[Window, ...] = ("bucket", "minute")
+RETRY_AFTER_FORMATS: tuple[RetryAfterFormat, ...] = ("seconds", "http-date")
+
+
+def check_probability(name: str, value: float) -> float:
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be within [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_non_negative(name: str, value: float) -> float:
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_rate(rate_per_second: float, burst: float) -> None:
+    # rate <= 0 means "unlimited", so only NaN/inf are nonsense here.
+    if not math.isfinite(rate_per_second):
+        raise ValueError(f"rate_per_second must be finite, got {rate_per_second!r}")
+    check_non_negative("burst", burst)
+    if rate_per_second > 0 and burst < 1.0:
+        # A bucket that can never hold a whole token would refuse every request forever.
+        raise ValueError(f"burst must be >= 1 when rate limiting is enabled, got {burst!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxConfig:
+    """Everything that shapes one simulated partner. Same config and seed => same behaviour."""
+
+    recipients: int = 3000
+    absent_share: float = 0.05
+    seed: int = 7
+    # Kept out of repr so configs can be logged without leaking the credential.
+    token: str | None = field(default=None, repr=False)
+    rate_per_second: float = 100.0
+    burst: float = 10.0
+    window: Window = "bucket"
+    retry_after_format: RetryAfterFormat = "seconds"
+    ratelimit_headers: bool = False
+    honour_idempotency_keys: bool = True
+    fault_5xx: float = 0.0
+    fault_timeout_after_act: float = 0.0
+    fault_reset_after_act: float = 0.0
+    hang_seconds: float = 30.0
+    latency_ms: float = 0.0
+    page_delay_ms: float = 0.0
+    garbage_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recipients, bool) or self.recipients < 0:
+            raise ValueError(f"recipients must be an int >= 0, got {self.recipients!r}")
+        check_probability("absent_share", self.absent_share)
+        check_probability("fault_5xx", self.fault_5xx)
+        check_probability("fault_timeout_after_act", self.fault_timeout_after_act)
+        check_probability("fault_reset_after_act", self.fault_reset_after_act)
+        check_non_negative("hang_seconds", self.hang_seconds)
+        check_non_negative("latency_ms", self.latency_ms)
+        check_non_negative("page_delay_ms", self.page_delay_ms)
+        check_non_negative("garbage_share", self.garbage_share)
+        check_rate(self.rate_per_second, self.burst)
+        if self.window not in WINDOWS:
+            raise ValueError(f"window must be one of {WINDOWS}, got {self.window!r}")
+        if self.retry_after_format not in RETRY_AFTER_FORMATS:
+            raise ValueError(
+                f"retry_after_format must be one of {RETRY_AFTER_FORMATS}, "
+                f"got {self.retry_after_format!r}"
+            )
+        if self.token is not None and not self.token:
+            # An empty token would make "Authorization: Bearer " a valid credential.
+            raise ValueError("token must be non-empty when set")
+
+
+@dataclass(slots=True)
+class Tunables:
+    """The subset of the config that POST /_sandbox/control may change while serving."""
+
+    rate_per_second: float
+    burst: float
+    fault_5xx: float
+    fault_timeout_after_act: float
+    fault_reset_after_act: float
+    latency_ms: float
+    hang_seconds: float
+    page_delay_ms: float
+
+    @classmethod
+    def from_config(cls, config: SandboxConfig) -> Tunables:
+        return cls(
+            rate_per_second=config.rate_per_second,
+            burst=config.burst,
+            fault_5xx=config.fault_5xx,
+            fault_timeout_after_act=config.fault_timeout_after_act,
+            fault_reset_after_act=config.fault_reset_after_act,
+            latency_ms=config.latency_ms,
+            hang_seconds=config.hang_seconds,
+            page_delay_ms=config.page_delay_ms,
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "rate_per_second": self.rate_per_second,
+            "burst": self.burst,
+            "fault_5xx": self.fault_5xx,
+            "fault_timeout_after_act": self.fault_timeout_after_act,
+            "fault_reset_after_act": self.fault_reset_after_act,
+            "latency_ms": self.latency_ms,
+            "hang_seconds": self.hang_seconds,
+            "page_delay_ms": self.page_delay_ms,
+        }

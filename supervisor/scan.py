@@ -1,0 +1,120 @@
+"""The producer: pages each scanning run's candidate source into operations, and the
+outbox publisher that hands discovered operations to the queue.
+
+The two are separate on purpose: a page's operations and its cursor commit in one ledger
+transaction, and only then are messages published. A crash between the two leaves
+``discovered`` operations that the publisher finds and publishes on restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from supervisor import metrics
+from supervisor.config import Config
+from supervisor.errors import SourceError
+from supervisor.ledger.base import Ledger, Run
+from supervisor.queue.base import Queue
+from supervisor.sources import CandidateSource, FileSource, HttpSource, InlineSource
+from supervisor.states import RunState
+
+log = logging.getLogger(__name__)
+
+PUBLISH_BATCH = 500
+
+
+class Scanner:
+    """Scans every run in state ``scanning``, oldest first; sleeps until :meth:`wake`."""
+
+    def __init__(self, config: Config, ledger: Ledger, wakeup: asyncio.Event,
+                 on_page: asyncio.Event) -> None:
+        self.config = config
+        self.ledger = ledger
+        self._wakeup = wakeup  # set when a run is opened
+        self._on_page = on_page  # we set it when a page is committed
+        self._session: aiohttp.ClientSession | None = None
+
+    async def run(self) -> None:
+        self._session = aiohttp.ClientSession()
+        try:
+            while True:
+                self._wakeup.clear()
+                for run in await self.ledger.runs_to_scan():
+                    await self._scan(run)
+                await self._wakeup.wait()
+        finally:
+            await self._session.close()
+
+    def _source(self, run: Run) -> CandidateSource:
+        spec: Mapping[str, Any] = run.source
+        kind = spec.get("kind")
+        if kind == "inline":
+            return InlineSource(spec.get("ids", []))
+        if kind == "file":
+            c = self.config.source
+            assert c.path is not None
+            return FileSource(c.path, c.format, c.id_field)
+        if kind == "http":
+            assert self._session is not None
+            return HttpSource(self.config.source, self._session)
+        raise SourceError(f"run {run.id} has unknown source kind {kind!r}")
+
+    async def _scan(self, run: Run) -> None:
+        c = self.config.source
+        source = self._source(run)
+        cursor = run.scan_cursor
+        failures = 0
+        log.info("scan of %s %s", run.id, "resumed" if cursor else "started",
+                 extra={"run_id": run.id, "action": "scan_start"})
+        while True:
+            try:
+                page = await source.page(cursor, c.page_size)
+            except SourceError as exc:
+                failures += 1
+                metrics.SCAN_FAILURES.inc()
+                give_up = failures > c.max_page_retries
+                log.warning("scan of %s failed at cursor %r (%d/%d): %s", run.id, cursor,
+                            failures, c.max_page_retries + 1, exc,
+                            extra={"run_id": run.id, "action": "scan_failure"})
+                await self.ledger.record_scan_failure(run.id, str(exc), give_up)
+                if give_up:
+                    return
+                await asyncio.sleep(min(60.0, 0.5 * 2 ** failures))  # backoff, not sync
+                continue
+            failures = 0
+            for reason, n in page.skipped.items():
+                metrics.SCAN_SKIPPED.labels(reason).inc(n)
+            result = await self.ledger.record_page(run.id, page.ids, page.next_cursor,
+                                                   page.skipped.total())
+            self._on_page.set()
+            cursor = page.next_cursor
+            if result.run_state is not RunState.SCANNING:
+                log.info("scan of %s finished", run.id,
+                         extra={"run_id": run.id, "action": "scan_done"})
+                return
+
+
+class Publisher:
+    """The outbox: publishes ``discovered`` operations and marks them ``queued``."""
+
+    def __init__(self, ledger: Ledger, queue: Queue, wakeup: asyncio.Event) -> None:
+        self.ledger = ledger
+        self.queue = queue
+        self._wakeup = wakeup
+
+    async def run(self) -> None:
+        while True:
+            self._wakeup.clear()
+            while batch := await self.ledger.unpublished(PUBLISH_BATCH):
+                await self.queue.publish(batch)
+                await self.ledger.mark_queued([m.operation_id for m in batch])
+            with contextlib.suppress(TimeoutError):
+                # The timeout is a safety net for writes made by another process.
+                async with asyncio.timeout(30):
+                    await self._wakeup.wait()

@@ -1,0 +1,258 @@
+"""The supervisor: builds the components, runs them under one TaskGroup, restarts the ones
+that crash, reports readiness, and drains in a fixed order on a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TextIO
+
+from aiohttp import web
+
+from supervisor import metrics
+from supervisor.config import Config
+from supervisor.consumer import ConsumerPool
+from supervisor.errors import StartupError, TooManyCrashes
+from supervisor.http import ApiState, create_app
+from supervisor.ledger.database import Database
+from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.limiter import AdaptiveLimiter
+from supervisor.monitor import Monitor
+from supervisor.partner import PartnerClient
+from supervisor.queue.sqlite import SqliteQueue
+from supervisor.runs import RunOpener
+from supervisor.scan import Publisher, Scanner
+from supervisor.schedule import Scheduler
+
+log = logging.getLogger(__name__)
+
+Factory = Callable[[], Coroutine[Any, Any, None]]
+
+
+class DataDirLock:
+    """An exclusive lock on the data dir: the embedded queue assumes a single process."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / "cleanup.lock"
+        self._fh: TextIO | None = None
+
+    def acquire(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fh = self.path.open("a")
+        except OSError as exc:
+            raise StartupError(f"data dir {self.path.parent} is not writable: {exc}") from exc
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            raise StartupError(f"another cleanup-supervisor uses {self.path.parent}") from None
+        self._fh = fh
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class Service:
+    """One process: HTTP, schedule, scan, outbox, consumer pool, monitor.
+
+    :meth:`run` returns the process exit code once the service has drained. Call
+    :meth:`request_stop` (signal handlers do) to begin the drain.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        # Events bind no loop until awaited (3.10+): safe to create here.
+        self.stop_requested = asyncio.Event()
+        self.started = asyncio.Event()
+        self.fatal: BaseException | None = None
+        self.url: str | None = None
+        self.pool: ConsumerPool | None = None
+        self._restarts: dict[str, deque[float]] = {}
+        self._stopping = False
+
+    def request_stop(self) -> None:
+        self.stop_requested.set()
+
+    async def run(self) -> int:
+        """Start everything, serve until a stop is requested, drain, return the exit code.
+
+        Raises StartupError when a component cannot start (port taken, data dir locked).
+        """
+        c = self.config
+        lock = DataDirLock(c.service.data_dir)
+        lock.acquire()
+        db = Database(c.ledger_path)
+        try:
+            await db.open()
+        except BaseException:
+            lock.release()
+            raise
+        queue = SqliteQueue(db)
+        ledger = SqliteLedger(db, owns_queue=True)
+        released = await queue.recover_leases()
+        limiter = AdaptiveLimiter(c.limits)
+        partner = PartnerClient(c.partner, c.limits.concurrency)
+        await partner.start()
+        runs_changed = asyncio.Condition()
+        scan_wakeup = asyncio.Event()
+        publish_wakeup = asyncio.Event()
+        monitor = Monitor(ledger, queue, limiter, runs_changed)
+        scanner = Scanner(c, ledger, scan_wakeup, publish_wakeup)
+        publisher = Publisher(ledger, queue, publish_wakeup)
+        opener = RunOpener(c, ledger, scan_wakeup)
+        pool = self.pool = ConsumerPool(c, ledger, queue, limiter, partner,
+                                        on_settled=monitor.settled.set)
+
+        def ready() -> tuple[bool, dict[str, bool]]:
+            checks = {"ledger": ledger.healthy, "workers": pool.running,
+                      "accepting": api.accepting}
+            ok = all(checks.values())
+            metrics.READY.set(1 if ok else 0)
+            return ok, checks
+
+        api = ApiState(config=c, ledger=ledger, opener=opener, ready=ready,
+                       runs_changed=runs_changed, current_rate=lambda: limiter.rate)
+        runner = web.AppRunner(create_app(api), access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, c.service.host, c.service.port)
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            await partner.close()
+            await db.close()
+            lock.release()
+            raise StartupError(f"cannot listen on {c.service.listen}: {exc.strerror}") from exc
+        sockets = runner.addresses
+        host, port = sockets[0][0], sockets[0][1]
+        self.url = f"http://{host}:{port}"
+        log.info("listening on %s; ledger %s; %d workers at <= %g/s; %d leases handed back",
+                 self.url, c.ledger_path, c.limits.concurrency, c.limits.rate_per_second,
+                 released, extra={"action": "started"})
+
+        components: list[tuple[str, Factory]] = [
+            ("monitor", monitor.run),
+            ("publisher", publisher.run),
+            ("scan", scanner.run),
+            ("consumers", pool.run),
+        ]
+        if c.schedule.cron is not None:
+            components.append(("schedule", Scheduler(c.schedule, opener).run))
+        intake = {"publisher", "scan", "schedule"}
+        summary: dict[str, int] = {}
+        started_at = time.monotonic()
+        async with asyncio.TaskGroup() as tg:
+            tasks = {name: tg.create_task(self._supervise(name, factory), name=name)
+                     for name, factory in components}
+            self.started.set()
+            await self.stop_requested.wait()
+            self._stopping = True
+            log.info("stopping: triggers refused, intake stopped, draining %d workers "
+                     "(grace %gs)", c.limits.concurrency, c.service.shutdown_grace_seconds,
+                     extra={"action": "stopping"})
+            # 1. stop intake: no new runs, no scanning, no publishing
+            api.accepting = False
+            for name in intake & tasks.keys():
+                tasks[name].cancel()
+            # 2. let requests in the air finish within the grace; hand back every lease
+            summary = await pool.stop(c.service.shutdown_grace_seconds)
+            tasks["consumers"].cancel()
+            # 3. the monitor last, after a final pass so closed runs are recorded
+            tasks["monitor"].cancel()
+        with contextlib.suppress(Exception):
+            await ledger.finish_runs()
+        # 4. close outward connections, then the ledger (it flushes pending writes)
+        await runner.cleanup()
+        await partner.close()
+        await db.close()
+        lock.release()
+        log.info("stopped after %.1fs: %d operations settled, %d workers, %d cut off at the "
+                 "grace limit", time.monotonic() - started_at, pool.settled,
+                 summary.get("workers", 0), summary.get("cut_off", 0),
+                 extra={"action": "stopped"})
+        if self.fatal is not None:
+            return 1
+        return 0
+
+    async def _supervise(self, name: str, factory: Factory) -> None:
+        """Run a component; restart it with backoff when it crashes.
+
+        Too many crashes within ``restart_window_seconds`` stop the whole service with a
+        non-zero exit, so the container's restart policy takes over.
+        """
+        s = self.config.service
+        backoff = s.restart_backoff_seconds
+        crashes = self._restarts.setdefault(name, deque())
+        while True:
+            try:
+                await factory()
+                if self._stopping:
+                    return
+                raise RuntimeError(f"component {name} returned unexpectedly")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self._stopping:
+                    return
+                now = time.monotonic()
+                crashes.append(now)
+                while crashes and crashes[0] < now - s.restart_window_seconds:
+                    crashes.popleft()
+                metrics.COMPONENT_RESTARTS.labels(name).inc()
+                log.error("component %s crashed (%d in %gs): %r", name, len(crashes),
+                          s.restart_window_seconds, exc, exc_info=exc,
+                          extra={"action": "component_crash"})
+                if len(crashes) > s.max_restarts:
+                    self.fatal = TooManyCrashes(f"{name} crashed {len(crashes)} times")
+                    log.critical("component %s keeps crashing; stopping the service", name,
+                                 extra={"action": "escalate"})
+                    self.request_stop()
+                    return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(backoff):
+                    await self.stop_requested.wait()
+            if self.stop_requested.is_set():
+                return
+            backoff = min(backoff * 2, s.restart_backoff_max_seconds)
+
+
+def install_signal_handlers(service: Service) -> Callable[[], None]:
+    """SIGTERM/SIGINT begin the drain; a second one exits at once. Returns an undo."""
+    loop = asyncio.get_running_loop()
+    count = 0
+
+    def handle(signum: int) -> None:
+        nonlocal count
+        count += 1
+        if count == 1:
+            log.info("received %s; draining (send again to exit at once)",
+                     signal.Signals(signum).name, extra={"action": "signal"})
+            service.request_stop()
+        else:
+            # Everything committed is already durable in the ledger; what was not
+            # committed is redelivered from the queue after restart.
+            log.warning("second %s: exiting now", signal.Signals(signum).name,
+                        extra={"action": "signal_forced"})
+            logging.shutdown()
+            os._exit(1)
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, handle, sig)
+
+    def undo() -> None:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+    return undo

@@ -116,6 +116,28 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0 if status < 300 else EXIT_RUNTIME
 
 
+def cmd_ambiguous(args: argparse.Namespace) -> int:
+    url = f"{args.url.rstrip('/')}/v1/operations?state=ambiguous&limit={args.limit}"
+    status, doc = run_async(_request("GET", url))
+    if status >= 300:
+        print(orjson.dumps(doc).decode(), file=sys.stderr)
+        return EXIT_RUNTIME
+    for op in doc["operations"]:
+        print(f"{op['id']}  run={op['run_id']}  recipient={op['recipient_id']}  "
+              f"attempts={op['attempts']}  reason={op['reason']}")
+    if not doc["operations"]:
+        print("no ambiguous operations")
+    return 0
+
+
+def cmd_resolve(args: argparse.Namespace) -> int:
+    body = {"outcome": args.outcome, "by": args.by, "reason": args.reason}
+    url = f"{args.url.rstrip('/')}/v1/operations/{args.operation_id}/resolve"
+    status, doc = run_async(_request("POST", url, body))
+    print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+    return 0 if status < 300 else EXIT_RUNTIME
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cleanup-supervisor", description=__doc__)
     p.add_argument("--version", action="version", version=__version__)
@@ -154,6 +176,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--state", help="with RUN_ID: list operations in this state")
     s.add_argument("--limit", type=int, default=20)
     s.set_defaults(func=cmd_runs)
+
+    s = sub.add_parser("ambiguous", help="list operations waiting for reconciliation")
+    s.add_argument("--url", default=url_default)
+    s.add_argument("--limit", type=int, default=100)
+    s.set_defaults(func=cmd_ambiguous)
+
+    s = sub.add_parser("resolve", help="an operator's decision on an ambiguous operation")
+    s.add_argument("--url", default=url_default)
+    s.add_argument("operation_id")
+    s.add_argument("outcome", choices=["deleted", "already_absent", "failed", "retry"])
+    s.add_argument("--by", required=True, help="who decided (recorded in the ledger)")
+    s.add_argument("--reason", required=True, help="why (recorded in the ledger)")
+    s.set_defaults(func=cmd_resolve)
     return p
 
 

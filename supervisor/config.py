@@ -103,6 +103,9 @@ class ScheduleConfig:
     missed: Literal["skip", "latest"] = "skip"
     # skip: a tick while a run is unfinished is skipped and counted; allow: it opens a run.
     overlap: Literal["skip", "allow"] = "skip"
+    # The drain must end this long after the run's slot (e.g. before the digest is built);
+    # exported as cleanup_digest_cutoff_timestamp_seconds so an alert can compare.
+    digest_cutoff_seconds: float | None = None
 
     def problems(self) -> list[str]:
         out = []
@@ -112,6 +115,8 @@ class ScheduleConfig:
             ZoneInfo(self.timezone)
         except (ZoneInfoNotFoundError, ValueError):
             out.append(f"schedule.timezone is not a known time zone, got {self.timezone!r}")
+        if self.digest_cutoff_seconds is not None and self.digest_cutoff_seconds <= 0:
+            out.append(f"schedule.digest_cutoff_seconds must be > 0, got {self.digest_cutoff_seconds}")
         if not self.name or len(self.name) > 100:
             out.append("schedule.name must be 1 to 100 characters")
         return out
@@ -160,17 +165,27 @@ class QueueConfig:
     max_receives: int = 20
     receive_batch: int = 32
     poll_interval_seconds: float = 1.0
+    # The ledger is truth: every interval, an unfinished operation untouched for the grace
+    # period and without a message in the queue is published again.
+    redrive_interval_seconds: float = 60.0
+    redrive_grace_seconds: float = 120.0
 
     def problems(self) -> list[str]:
         return _positive("queue", self, "lease_seconds", "max_receives", "receive_batch",
-                         "poll_interval_seconds")
+                         "poll_interval_seconds", "redrive_interval_seconds",
+                         "redrive_grace_seconds")
 
 
 @dataclass(frozen=True, slots=True)
 class PartnerConfig:
     base_url: str = "http://127.0.0.1:9000"
     delete_path: str = "/recipients/{recipient_id}"
-    probe_path: str | None = "/recipients/{recipient_id}"
+    # GET this to learn whether a recipient still exists (reconciling ambiguous outcomes);
+    # "" disables probing: ambiguous operations then wait for an operator.
+    probe_path: str = "/recipients/{recipient_id}"
+    # Probe only this long after the ambiguous attempt, so a slow partner has finished.
+    probe_settle_seconds: float = 30.0
+    probe_interval_seconds: float = 10.0
     token_env: str = "CUSTOMER_API_TOKEN"
     token: Secret | None = None
     idempotency_keys: bool = True
@@ -184,13 +199,14 @@ class PartnerConfig:
 
     def problems(self) -> list[str]:
         out = _positive("partner", self, "connect_timeout_seconds", "request_timeout_seconds",
+                        "probe_settle_seconds", "probe_interval_seconds",
                         "max_attempts", "backoff_initial_seconds", "backoff_max_seconds",
                         "max_retry_after_seconds")
         if urlsplit(self.base_url).scheme not in ("http", "https"):
             out.append(f"partner.base_url must be an http(s) URL, got {self.base_url!r}")
         if "{recipient_id}" not in self.delete_path:
             out.append(f"partner.delete_path must contain {{recipient_id}}, got {self.delete_path!r}")
-        if self.probe_path is not None and "{recipient_id}" not in self.probe_path:
+        if self.probe_path and "{recipient_id}" not in self.probe_path:
             out.append(f"partner.probe_path must contain {{recipient_id}}, got {self.probe_path!r}")
         return out
 

@@ -7,11 +7,12 @@ import contextlib
 import enum
 import logging
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 
 from supervisor import metrics
 from supervisor.config import Config
-from supervisor.errors import StorageError
+from supervisor.errors import OperationBusy, StorageError
 from supervisor.ledger.base import Disposition, Ledger, Operation, Settlement
 from supervisor.limiter import AdaptiveLimiter
 from supervisor.partner import Answer, PartnerClient, Verdict
@@ -46,6 +47,9 @@ class ConsumerPool:
         self._stopping = asyncio.Event()
         self._phases: dict[asyncio.Task[None], Phase] = {}
         self.settled = 0
+        # How long an attempt may hold its operation: the request's own bound, plus slack.
+        self._busy_s = (config.partner.connect_timeout_seconds
+                        + config.partner.request_timeout_seconds + 5.0)
 
     async def run(self) -> None:
         self._stopping = asyncio.Event()
@@ -135,14 +139,24 @@ class ConsumerPool:
         partner = self.config.partner
         attempts = op.attempts
         while True:
+            if self._stopping.is_set():
+                # Throttled and told to stop: nothing is in the air, hand the message back.
+                await asyncio.shield(self.queue.nack(delivery, 0.0))
+                return
             self._phases[task] = Phase.WAITING
             try:
                 async with self._lease_kept(delivery):
                     sent_at = await self.limiter.acquire()
-                    attempt_id = await self.ledger.begin_attempt(op.id, "delete")
+                    attempt_id = await self.ledger.begin_attempt(
+                        op.id, "delete", owner=delivery.lease_token, busy_s=self._busy_s)
                     attempts += 1
                     self._phases[task] = Phase.SENDING
                     answer = await self.partner.delete(op.recipient_id, op.id)
+            except OperationBusy as exc:
+                # A second delivery of an operation another worker has in the air (its
+                # lease expired while it waited): come back when that attempt is over.
+                await self.queue.nack(delivery, max(0.0, exc.until - time.time()))
+                return
             except asyncio.CancelledError:
                 # Shutdown: hand the message back now instead of after the lease. If the
                 # request had left, the attempt stays unfinished and the redelivery

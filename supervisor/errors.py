@@ -50,3 +50,12 @@ class SourceError(CleanupError):
 
 class TooManyCrashes(CleanupError):
     """A component crashed more often than the restart policy allows."""
+
+
+class OperationBusy(CleanupError):
+    """Another worker holds this operation's attempt in flight; try after ``until``."""
+
+    def __init__(self, operation_id: str, until: float) -> None:
+        self.operation_id = operation_id
+        self.until = until
+        super().__init__(f"operation {operation_id} is in flight elsewhere until {until:.0f}")

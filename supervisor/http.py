@@ -16,7 +16,9 @@ from aiohttp import web
 from prometheus_async.aio.web import server_stats
 
 from supervisor.config import Config
+from supervisor.errors import IllegalTransition
 from supervisor.ledger.base import Ledger, Operation, Run
+from supervisor.reconcile import RESOLUTIONS, Reconciler
 from supervisor.runs import RunOpener, Tick
 from supervisor.sources import check_recipient_id
 from supervisor.states import OpState, RunState
@@ -35,6 +37,7 @@ class ApiState:
     config: Config
     ledger: Ledger
     opener: RunOpener
+    reconciler: Reconciler
     ready: Callable[[], tuple[bool, dict[str, bool]]]
     runs_changed: asyncio.Condition
     current_rate: Callable[[], float]
@@ -138,19 +141,25 @@ def _parse_slot(value: Any) -> datetime:
     raise ApiError(400, "scheduled_for must be an ISO 8601 time or a Unix time")
 
 
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; an empty body is an empty object."""
+    body = await request.read()
+    if not body.strip():
+        return {}
+    if request.content_type != "application/json":
+        raise ApiError(415, "body must be application/json")
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ApiError(400, "body must be a JSON object")
+    return doc
+
+
 async def _tick_from(request: web.Request) -> Tick:
     config = request.app[API].config
-    body = await request.read()
-    doc: Any = {}
-    if body.strip():
-        if request.content_type != "application/json":
-            raise ApiError(415, "body must be application/json")
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise ApiError(400, f"body is not valid JSON: {exc}") from None
-        if not isinstance(doc, dict):
-            raise ApiError(400, "body must be a JSON object")
+    doc = await _json_body(request)
     unknown = set(doc) - {"schedule", "scheduled_for", "recipient_ids"}
     if unknown:
         raise ApiError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
@@ -258,14 +267,7 @@ async def list_operations(request: web.Request) -> web.Response:
     run_id = request.match_info["run_id"]
     if await api.ledger.get_run(run_id) is None:
         raise ApiError(404, f"no run {run_id}")
-    state_param = request.query.get("state")
-    state = None
-    if state_param is not None:
-        try:
-            state = OpState(state_param)
-        except ValueError:
-            raise ApiError(400, f"state must be one of {', '.join(s.value for s in OpState)}"
-                           ) from None
+    state = _state_param(request)
     limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
     after = _int_param(request, "after", 0, 0, 2**62)
     rows = await api.ledger.list_operations(run_id, state, after, limit)
@@ -286,6 +288,60 @@ async def get_operation(request: web.Request) -> web.Response:
         {"n": a.n, "kind": a.kind, "started_at": a.started_at, "finished_at": a.finished_at,
          "status": a.status, "outcome": a.outcome, "detail": a.detail} for a in attempts]
     return _json(view)
+
+
+def _state_param(request: web.Request) -> OpState | None:
+    value = request.query.get("state")
+    if value is None:
+        return None
+    try:
+        return OpState(value)
+    except ValueError:
+        raise ApiError(400, f"state must be one of {', '.join(s.value for s in OpState)}"
+                       ) from None
+
+
+async def list_all_operations(request: web.Request) -> web.Response:
+    """Operations in one state across every run (e.g. ``?state=ambiguous``)."""
+    _authorize(request)
+    state = _state_param(request)
+    if state is None:
+        raise ApiError(400, "state is required")
+    limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
+    after = _int_param(request, "after", 0, 0, 2**62)
+    rows = await request.app[API].ledger.operations_in_state(state, after, limit)
+    next_after = rows[-1][0] if len(rows) == limit else None
+    return _json({"operations": [op_view(op) for _, op in rows], "next_after": next_after})
+
+
+async def resolve_operation(request: web.Request) -> web.Response:
+    """An operator's decision on an ambiguous operation, with who decided and why."""
+    _authorize(request)
+    api = request.app[API]
+    doc = await _json_body(request)
+    unknown = set(doc) - {"outcome", "by", "reason"}
+    if unknown:
+        raise ApiError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
+    outcome, by, why = doc.get("outcome"), doc.get("by"), doc.get("reason")
+    if outcome not in RESOLUTIONS:
+        raise ApiError(400, f"outcome must be one of {', '.join(RESOLUTIONS)}")
+    for name, value in (("by", by), ("reason", why)):
+        if not isinstance(value, str) or not 0 < len(value) <= 500 or \
+                check_recipient_id(value[:256]) is not None:
+            raise ApiError(400, f"{name} must be a non-empty printable string")
+    if not (isinstance(outcome, str) and isinstance(by, str) and isinstance(why, str)):
+        raise AssertionError("validated above")
+    op_id = request.match_info["operation_id"]
+    op = await api.ledger.get_operation(op_id)
+    if op is None:
+        raise ApiError(404, f"no operation {op_id}")
+    if op.state is not OpState.AMBIGUOUS:
+        raise ApiError(409, f"operation {op_id} is {op.state.value}, not ambiguous")
+    try:
+        target = await api.reconciler.resolve(op, outcome, by, why)
+    except IllegalTransition:
+        raise ApiError(409, f"operation {op_id} changed meanwhile; read it again") from None
+    return _json({"id": op_id, "state": target.value})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -310,7 +366,9 @@ def create_app(state: ApiState) -> web.Application:
     app.router.add_get("/v1/runs", list_runs)
     app.router.add_get("/v1/runs/{run_id}", get_run)
     app.router.add_get("/v1/runs/{run_id}/operations", list_operations)
+    app.router.add_get("/v1/operations", list_all_operations)
     app.router.add_get("/v1/operations/{operation_id}", get_operation)
+    app.router.add_post("/v1/operations/{operation_id}/resolve", resolve_operation)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)

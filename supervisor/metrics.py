@@ -34,7 +34,13 @@ RUN_UNFINISHED = Gauge(
 RUN_PROJECTED_FINISH = Gauge(
     "cleanup_run_projected_finish_timestamp_seconds",
     "When the current run's drain will end at the current rate; 0 when done.")
+DIGEST_CUTOFF = Gauge(
+    "cleanup_digest_cutoff_timestamp_seconds",
+    "When the current run must be drained by (schedule.digest_cutoff_seconds); 0 when unset.")
 AMBIGUOUS = Gauge("cleanup_ambiguous_operations", "Operations waiting for reconciliation.")
+REDRIVEN = Counter(
+    "cleanup_redriven_operations", "Unfinished operations found without a message and published again.")
+PROBES = Counter("cleanup_probes", "Reconciliation probes, by finding.", ["finding"])
 SCAN_FAILURES = Counter("cleanup_scan_failures", "Candidate pages that could not be read.")
 SCAN_SKIPPED = Counter(
     "cleanup_scan_skipped_candidates", "Candidates rejected as malformed.", ["reason"])

@@ -22,7 +22,8 @@ class Monitor:
     """Wakes on every settlement (at most every 100 ms) and at least once a second."""
 
     def __init__(self, ledger: Ledger, queue: Queue, limiter: AdaptiveLimiter,
-                 runs_changed: asyncio.Condition) -> None:
+                 runs_changed: asyncio.Condition, digest_cutoff_s: float | None = None) -> None:
+        self.digest_cutoff_s = digest_cutoff_s
         self.ledger = ledger
         self.queue = queue
         self.limiter = limiter
@@ -64,6 +65,8 @@ class Monitor:
         run = s.current_run
         if run is None:
             return
+        if self.digest_cutoff_s is not None:
+            metrics.DIGEST_CUTOFF.set((run.scheduled_for or run.created_at) + self.digest_cutoff_s)
         counts = s.current_run_by_state
         discovered = sum(counts.values())
         unfinished = sum(n for st, n in counts.items() if st not in TERMINAL)

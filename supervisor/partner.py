@@ -159,7 +159,7 @@ class PartnerClient:
     async def probe(self, recipient_id: str) -> tuple[Presence, str]:
         """Ask whether the recipient still exists (reconciliation evidence)."""
         assert self._session is not None, "PartnerClient.start() was not awaited"
-        if self.config.probe_path is None:
+        if not self.config.probe_path:
             return Presence.UNKNOWN, "no probe configured"
         url = self._url(self.config.probe_path, recipient_id)
         try:

@@ -20,7 +20,7 @@ from aiohttp import web
 from supervisor import metrics
 from supervisor.config import Config
 from supervisor.consumer import ConsumerPool
-from supervisor.errors import StartupError, TooManyCrashes
+from supervisor.errors import StartupError, StorageError, TooManyCrashes
 from supervisor.http import ApiState, create_app
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
@@ -28,6 +28,8 @@ from supervisor.limiter import AdaptiveLimiter
 from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient
 from supervisor.queue.sqlite import SqliteQueue
+from supervisor.reconcile import Reconciler
+from supervisor.redrive import Redriver
 from supervisor.runs import RunOpener
 from supervisor.scan import Publisher, Scanner
 from supervisor.schedule import Scheduler
@@ -107,10 +109,12 @@ class Service:
         runs_changed = asyncio.Condition()
         scan_wakeup = asyncio.Event()
         publish_wakeup = asyncio.Event()
-        monitor = Monitor(ledger, queue, limiter, runs_changed)
+        monitor = Monitor(ledger, queue, limiter, runs_changed, c.schedule.digest_cutoff_seconds)
         scanner = Scanner(c, ledger, scan_wakeup, publish_wakeup)
         publisher = Publisher(ledger, queue, publish_wakeup)
         opener = RunOpener(c, ledger, scan_wakeup)
+        reconciler = Reconciler(c.partner, ledger, queue, limiter, partner)
+        redriver = Redriver(c.queue, ledger, queue)
         pool = self.pool = ConsumerPool(c, ledger, queue, limiter, partner,
                                         on_settled=monitor.settled.set)
 
@@ -121,7 +125,7 @@ class Service:
             metrics.READY.set(1 if ok else 0)
             return ok, checks
 
-        api = ApiState(config=c, ledger=ledger, opener=opener, ready=ready,
+        api = ApiState(config=c, ledger=ledger, opener=opener, reconciler=reconciler, ready=ready,
                        runs_changed=runs_changed, current_rate=lambda: limiter.rate)
         runner = web.AppRunner(create_app(api), access_log=None, handle_signals=False)
         await runner.setup()
@@ -146,10 +150,13 @@ class Service:
             ("publisher", publisher.run),
             ("scan", scanner.run),
             ("consumers", pool.run),
+            ("redrive", redriver.run),
         ]
+        if c.partner.probe_path:
+            components.append(("reconcile", reconciler.run))
         if c.schedule.cron is not None:
             components.append(("schedule", Scheduler(c.schedule, opener).run))
-        intake = {"publisher", "scan", "schedule"}
+        intake = {"publisher", "scan", "schedule", "redrive", "reconcile"}
         summary: dict[str, int] = {}
         started_at = time.monotonic()
         async with asyncio.TaskGroup() as tg:
@@ -202,6 +209,13 @@ class Service:
                 raise RuntimeError(f"component {name} returned unexpectedly")
             except asyncio.CancelledError:
                 raise
+            except StorageError as exc:
+                # The ledger cannot commit (disk full, locked, read-only). Not the
+                # component's fault: wait for the fault to clear without escalating.
+                if self._stopping:
+                    return
+                log.warning("component %s paused: %s", name, exc,
+                            extra={"action": "component_storage_wait"})
             except Exception as exc:
                 if self._stopping:
                     return

@@ -43,7 +43,8 @@ TRANSITIONS: dict[OpState, frozenset[OpState]] = {
         _S.QUEUED,
     }),
     _S.RETRY_WAIT: frozenset({_S.IN_FLIGHT, _S.FAILED, _S.QUEUED}),
-    _S.AMBIGUOUS: frozenset({_S.DELETED, _S.ALREADY_ABSENT, _S.QUEUED, _S.FAILED}),
+    # ambiguous -> ambiguous: an inconclusive probe, recorded as evidence so far.
+    _S.AMBIGUOUS: frozenset({_S.DELETED, _S.ALREADY_ABSENT, _S.QUEUED, _S.FAILED, _S.AMBIGUOUS}),
     _S.DELETED: frozenset(),
     _S.ALREADY_ABSENT: frozenset(),
     _S.FAILED: frozenset(),

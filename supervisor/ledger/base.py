@@ -151,12 +151,32 @@ class Ledger(Protocol):
 
     async def attempts(self, operation_id: str) -> list[Attempt]: ...
 
-    async def begin_attempt(self, operation_id: str, kind: str) -> int:
-        """Move the operation in flight and write its attempt *before* the request leaves."""
+    async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
+                            busy_s: float = 0.0) -> int:
+        """Move the operation in flight and write its attempt *before* the request leaves.
+
+        ``owner`` holds the operation for ``busy_s``: meanwhile another owner's attempt
+        raises OperationBusy, so two workers never have one operation in flight.
+        """
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         """Commit outcomes; return the settlements whose message the transport must still
         ack or nack (none when the queue lives in the ledger's own database)."""
+
+    async def record_evidence(self, operation_id: str, kind: str, target: OpState,
+                              reason: str, detail: str, status: int | None = None) -> bool:
+        """Record a probe's or operator's finding and move the operation; True when the
+        operation was queued again and its message must still be published."""
+
+    async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
+        """Ambiguous operations that have settled for long enough to be probed."""
+
+    async def operations_in_state(self, state: OpState, after: int,
+                                  limit: int) -> list[tuple[int, Operation]]: ...
+
+    async def active_since(self, updated_before: float, after: int,
+                           limit: int) -> list[tuple[int, Message]]:
+        """Operations the queue should carry (queued, retry_wait, in_flight), for redrive."""
 
     async def finish_runs(self) -> list[str]:
         """Mark draining runs with nothing left queued or in flight as done."""

@@ -34,6 +34,8 @@ CREATE TABLE IF NOT EXISTS operations (
     reason TEXT,
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL,
+    owner TEXT,                             -- the lease holding the attempt in flight
+    busy_until REAL,                        -- no other worker may start an attempt before
     UNIQUE (run_id, recipient_id)
 );
 CREATE INDEX IF NOT EXISTS operations_state ON operations(state);
@@ -147,13 +149,32 @@ SELECT_UNPUBLISHED = (
     "SELECT run_id, id, recipient_id FROM operations WHERE state = 'discovered' "
     "ORDER BY rowid LIMIT ?"
 )
-SELECT_OP_STATE = "SELECT state, attempts FROM operations WHERE id = ?"
+SELECT_OP_STATE = "SELECT state, attempts, owner, busy_until FROM operations WHERE id = ?"
 UPDATE_OP_QUEUED = (
     "UPDATE operations SET state = 'queued', updated_at = ? WHERE id = ? AND state = 'discovered'"
 )
 UPDATE_OP_STATE = (
     "UPDATE operations SET state = ?, reason = COALESCE(?, reason), attempts = attempts + ?, "
-    "updated_at = ? WHERE id = ?"
+    "updated_at = ?, owner = NULL, busy_until = NULL WHERE id = ?"
+)
+CLAIM_OP = "UPDATE operations SET owner = ?, busy_until = ? WHERE id = ?"
+SELECT_OPERATIONS_BY_STATE = (
+    f"SELECT rowid, {OP_COLUMNS} FROM operations WHERE state = ? AND rowid > ? "
+    "ORDER BY rowid LIMIT ?"
+)
+SELECT_AMBIGUOUS_DUE = (
+    f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= ? "
+    "ORDER BY updated_at LIMIT ?"
+)
+# Operations the queue should be carrying: candidates for redrive.
+SELECT_ACTIVE_SINCE = (
+    "SELECT rowid, run_id, id, recipient_id FROM operations "
+    "WHERE state IN ('queued', 'retry_wait', 'in_flight') AND updated_at <= ? AND rowid > ? "
+    "ORDER BY rowid LIMIT ?"
+)
+INSERT_EVIDENCE = (
+    "INSERT INTO attempts (operation_id, n, kind, started_at, finished_at, status, outcome, detail) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
 
 # attempts
@@ -209,4 +230,7 @@ NEXT_AVAILABLE = "SELECT MIN(available_at) FROM messages"
 RELEASE_DEAD_LEASES = (
     "UPDATE messages SET available_at = ?, lease_token = NULL "
     "WHERE lease_token IS NOT NULL AND available_at > ?"
+)
+SELECT_MISSING_MESSAGES = (
+    "SELECT value FROM json_each(?) WHERE value NOT IN (SELECT operation_id FROM messages)"
 )

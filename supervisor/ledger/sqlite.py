@@ -18,6 +18,7 @@ import aiosqlite
 import orjson
 
 from supervisor import states
+from supervisor.errors import OperationBusy
 from supervisor.ledger import sql
 from supervisor.ledger.base import (
     Attempt,
@@ -184,10 +185,17 @@ class SqliteLedger:
         rows = await self.db.read(sql.SELECT_ATTEMPTS, (operation_id,))
         return [Attempt(*r) for r in rows]
 
-    async def begin_attempt(self, operation_id: str, kind: str) -> int:
+    async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
+                            busy_s: float = 0.0) -> int:
         async def write(conn: aiosqlite.Connection) -> int:
             now = time.time()
+            row = await _fetchone(conn, sql.SELECT_OP_STATE, (operation_id,))
+            if (row is not None and row[0] == OpState.IN_FLIGHT.value and row[3] is not None
+                    and row[3] > now and row[2] != owner):
+                raise OperationBusy(operation_id, row[3])
             n = await _transition(conn, operation_id, OpState.IN_FLIGHT, None, count=1, now=now)
+            if busy_s > 0:
+                await conn.execute(sql.CLAIM_OP, (owner, now + busy_s, operation_id))
             await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, (now, operation_id))
             cur = await conn.execute(sql.INSERT_ATTEMPT, (operation_id, n, kind, now))
             row = await cur.fetchone()
@@ -218,6 +226,44 @@ class SqliteLedger:
             return []
         return [s for s in settlements
                 if s.delivery is not None and s.disposition is not Disposition.KEEP]
+
+    async def record_evidence(self, operation_id: str, kind: str, target: OpState,
+                              reason: str, detail: str, status: int | None = None) -> bool:
+        """Record a probe's or an operator's finding and move the operation on it.
+
+        Returns True when the operation was queued again and the transport (when it is
+        not this database) must publish its message.
+        """
+        async def write(conn: aiosqlite.Connection) -> Operation:
+            now = time.time()
+            row = await _fetchone(conn, sql.SELECT_OPERATION, (operation_id,))
+            if row is None:
+                raise KeyError(f"operation {operation_id} does not exist")
+            op = _op(row)
+            await _transition(conn, operation_id, target, reason, count=0, now=now)
+            await conn.execute(sql.INSERT_EVIDENCE, (operation_id, op.attempts, kind, now, now,
+                                                     status, target.value, detail[:1000]))
+            if target is OpState.QUEUED and self._owns_queue:
+                await conn.execute(sql.INSERT_MESSAGE,
+                                   (operation_id, op.run_id, op.recipient_id, now, now))
+            return op
+
+        await self.db.write(write)
+        return target is OpState.QUEUED and not self._owns_queue
+
+    async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
+        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, (settled_before, limit))
+        return [_op(r) for r in rows]
+
+    async def operations_in_state(self, state: OpState, after: int,
+                                  limit: int) -> list[tuple[int, Operation]]:
+        rows = await self.db.read(sql.SELECT_OPERATIONS_BY_STATE, (state.value, after, limit))
+        return [(r[0], _op(r[1:])) for r in rows]
+
+    async def active_since(self, updated_before: float, after: int,
+                           limit: int) -> list[tuple[int, Message]]:
+        rows = await self.db.read(sql.SELECT_ACTIVE_SINCE, (updated_before, after, limit))
+        return [(r[0], Message(run_id=r[1], operation_id=r[2], recipient_id=r[3])) for r in rows]
 
     async def finish_runs(self) -> list[str]:
         async def write(conn: aiosqlite.Connection) -> list[str]:

@@ -52,5 +52,8 @@ class Queue(Protocol):
     async def extend(self, delivery: Delivery, lease_s: float) -> bool:
         """Push the lease ``lease_s`` into the future; False when the lease was lost."""
 
+    async def missing(self, operation_ids: Sequence[str]) -> set[str]:
+        """Which of these operations have no message in the queue (for redrive)."""
+
     async def stats(self) -> QueueStats:
         """Depth, parked, leased and the age of the oldest claimable message."""

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 import aiosqlite
+import orjson
 
 from supervisor.ledger import sql
 from supervisor.ledger.database import Database
@@ -83,6 +84,11 @@ class SqliteQueue:
             return cur.rowcount == 1
 
         return await self.db.write(write)
+
+    async def missing(self, operation_ids: Sequence[str]) -> set[str]:
+        rows = await self.db.read(sql.SELECT_MISSING_MESSAGES,
+                                  (orjson.dumps(list(operation_ids)).decode(),))
+        return {r[0] for r in rows}
 
     async def recover_leases(self) -> int:
         """Hand back leases a previous process held; call once, under the data-dir lock."""

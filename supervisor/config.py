@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 import types
 import typing
@@ -224,8 +225,12 @@ class LimitsConfig:
     floor_per_second: float = 0.5
 
     def problems(self) -> list[str]:
-        out = _positive("limits", self, "rate_per_second", "concurrency", "burst",
+        out = _positive("limits", self, "rate_per_second", "concurrency",
                         "increase_per_second", "floor_per_second")
+        # Every acquisition takes one whole token: a bucket that can never hold one would
+        # make aiolimiter refuse every acquire (ValueError), crashing every worker.
+        if not self.burst >= 1:
+            out.append(f"limits.burst must be >= 1, got {self.burst}")
         if not 0 < self.decrease_factor < 1:
             out.append(f"limits.decrease_factor must be > 0 and < 1, got {self.decrease_factor}")
         if self.floor_per_second > self.rate_per_second > 0:
@@ -290,11 +295,14 @@ def load(path: Path | None, environ: Mapping[str, str] | None = None) -> Config:
     for name in _SECTIONS:
         cls = typing.get_type_hints(Config)[name]
         table = raw.get(name, {})
-        built, section_problems = _build(name, cls, table if isinstance(table, dict) else {}, env)
+        built, section_problems, bad_keys = _build(name, cls,
+                                                   table if isinstance(table, dict) else {}, env)
         problems += section_problems
-        if built is not None:
-            sections[name] = built
-            problems += built.problems()
+        sections[name] = built
+        # Value checks run even when another key of the section is mistyped, so one edit
+        # fixes everything; a check that names a mistyped key would judge its default.
+        problems += [p for p in built.problems()
+                     if not any(re.search(rf"\b{re.escape(name)}\.{k}\b", p) for k in bad_keys)]
     if problems:
         raise ConfigError(problems)
     return Config(**sections)
@@ -324,10 +332,13 @@ def _apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> list[st
 
 
 def _build(section: str, cls: type[Any], table: dict[str, Any],
-           env: Mapping[str, str]) -> tuple[Any | None, list[str]]:
+           env: Mapping[str, str]) -> tuple[Any, list[str], set[str]]:
+    """The section built from its well-typed keys (defaults for the rest), the problems
+    found, and the keys that had one."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     problems = []
+    bad_keys: set[str] = set()
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
         if key not in names or key in _SECRET_FIELDS:
@@ -337,6 +348,7 @@ def _build(section: str, cls: type[Any], table: dict[str, Any],
         converted, problem = _convert(f"{section}.{key}", hints[key], value)
         if problem:
             problems.append(problem)
+            bad_keys.add(key)
         else:
             kwargs[key] = converted
     if "token_env" in names:
@@ -346,10 +358,9 @@ def _build(section: str, cls: type[Any], table: dict[str, Any],
             secret, problem = _read_secret(section, str(var), env)
             if problem:
                 problems.append(problem)
+                bad_keys.add("token_env")
             kwargs["token"] = secret
-    if problems:
-        return None, problems
-    return cls(**kwargs), []
+    return cls(**kwargs), problems, bad_keys
 
 
 def _read_secret(section: str, var: str, env: Mapping[str, str]) -> tuple[Secret | None, str]:

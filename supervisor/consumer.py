@@ -148,7 +148,8 @@ class ConsumerPool:
                 async with self._lease_kept(delivery):
                     sent_at = await self.limiter.acquire()
                     attempt_id = await self.ledger.begin_attempt(
-                        op.id, "delete", owner=delivery.lease_token, busy_s=self._busy_s)
+                        op.id, "delete", owner=delivery.lease_token, busy_s=self._busy_s,
+                        supersedes_open=op.unfinished_attempt)
                     attempts += 1
                     self._phases[task] = Phase.SENDING
                     answer = await self.partner.delete(op.recipient_id, op.id)

@@ -59,3 +59,13 @@ def check(operation_id: str, current: OpState, target: OpState) -> None:
     """Raise IllegalTransition unless ``current -> target`` is in the table."""
     if target not in TRANSITIONS[current]:
         raise IllegalTransition(operation_id, current, target)
+
+
+def predecessors(target: OpState) -> frozenset[OpState]:
+    """Every state from which ``target`` may be reached (the table, read backwards)."""
+    return _PREDECESSORS[target]
+
+
+_PREDECESSORS: dict[OpState, frozenset[OpState]] = {
+    t: frozenset(s for s, targets in TRANSITIONS.items() if t in targets) for t in OpState
+}

@@ -152,11 +152,12 @@ class Ledger(Protocol):
     async def attempts(self, operation_id: str) -> list[Attempt]: ...
 
     async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
-                            busy_s: float = 0.0) -> int:
+                            busy_s: float = 0.0, supersedes_open: bool = True) -> int:
         """Move the operation in flight and write its attempt *before* the request leaves.
 
         ``owner`` holds the operation for ``busy_s``: meanwhile another owner's attempt
         raises OperationBusy, so two workers never have one operation in flight.
+        ``supersedes_open``: an earlier attempt may be unfinished; record it as unknown.
         """
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:

@@ -25,7 +25,7 @@ from supervisor.ledger import sql
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Write = Callable[[aiosqlite.Connection], Awaitable[Any]]
+Write = tuple[Callable[[aiosqlite.Connection], Awaitable[Any]], bool]
 
 MAX_BATCH = 512
 
@@ -72,8 +72,13 @@ class Database:
                     await conn.close()
         self._reader = self._writer = None
 
-    async def write(self, fn: Callable[[aiosqlite.Connection], Awaitable[T]]) -> T:
+    async def write(self, fn: Callable[[aiosqlite.Connection], Awaitable[T]],
+                    savepoint: bool = True) -> T:
         """Run ``fn`` inside the next group commit; return its result once committed.
+
+        If ``fn`` raises, what it wrote is rolled back to a savepoint and only this caller
+        sees the error. ``savepoint=False`` skips the savepoint (two statements fewer) for a
+        write that can only raise before it has written anything.
 
         The write is queued before this coroutine first suspends, so cancelling the caller
         does not tear it: it commits (or fails) with its batch all the same.
@@ -81,7 +86,7 @@ class Database:
         if self._task is None:
             raise StorageError("ledger is not open")
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._pending.put_nowait((fn, fut))
+        self._pending.put_nowait(((fn, savepoint), fut))
         return await asyncio.shield(fut)
 
     async def read(self, query: str, params: Any = ()) -> list[sqlite3.Row]:
@@ -115,16 +120,19 @@ class Database:
         results: list[tuple[bool, Any]] = []
         try:
             await conn.execute("BEGIN IMMEDIATE")
-            for fn, _ in batch:
-                await conn.execute("SAVEPOINT w")
+            for (fn, savepoint), _ in batch:
+                if savepoint:
+                    await conn.execute("SAVEPOINT w")
                 try:
                     results.append((True, await fn(conn)))
                 except (sqlite3.OperationalError, sqlite3.DatabaseError):
                     raise  # storage trouble: the whole batch fails below
                 except Exception as exc:  # the caller's own error: only its write undone
-                    await conn.execute("ROLLBACK TO w")
+                    if savepoint:
+                        await conn.execute("ROLLBACK TO w")
                     results.append((False, exc))
-                await conn.execute("RELEASE w")
+                if savepoint:
+                    await conn.execute("RELEASE w")
             await conn.execute("COMMIT")
         except sqlite3.Error as exc:
             with contextlib.suppress(sqlite3.Error):

@@ -5,6 +5,11 @@ Keeping them here makes the schema and the state changes reviewable in one file.
 
 from __future__ import annotations
 
+import functools
+
+from supervisor import states
+from supervisor.states import OpState
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     id TEXT PRIMARY KEY,
@@ -137,6 +142,10 @@ INSERT_OPERATION = (
     "VALUES (?, ?, ?, 'discovered', ?, ?) ON CONFLICT (run_id, recipient_id) DO NOTHING"
 )
 SELECT_OPERATION = f"SELECT {OP_COLUMNS} FROM operations WHERE id = ?"
+SELECT_OPERATION_WITH_OPEN_ATTEMPT = (
+    f"SELECT {OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
+    "operations.id ORDER BY a.id DESC LIMIT 1) FROM operations WHERE id = ?"
+)
 SELECT_OPERATIONS = (
     f"SELECT rowid, {OP_COLUMNS} FROM operations WHERE run_id = ? AND rowid > ? "
     "ORDER BY rowid LIMIT ?"
@@ -153,11 +162,25 @@ SELECT_OP_STATE = "SELECT state, attempts, owner, busy_until FROM operations WHE
 UPDATE_OP_QUEUED = (
     "UPDATE operations SET state = 'queued', updated_at = ? WHERE id = ? AND state = 'discovered'"
 )
-UPDATE_OP_STATE = (
-    "UPDATE operations SET state = ?, reason = COALESCE(?, reason), attempts = attempts + ?, "
-    "updated_at = ?, owner = NULL, busy_until = NULL WHERE id = ?"
-)
-CLAIM_OP = "UPDATE operations SET owner = ?, busy_until = ? WHERE id = ?"
+
+
+@functools.cache
+def transition(target: OpState, guard_busy: bool) -> str:
+    """The guarded state change: it only matches a row whose current state may legally
+    move to ``target`` (the table in supervisor/states.py), so the check and the write are
+    one statement. With ``guard_busy`` it also refuses an operation another owner holds
+    in flight. No row back means refused; the caller finds out why."""
+    allowed = ", ".join(f"'{s.value}'" for s in sorted(states.predecessors(target)))
+    busy = (" AND (state != 'in_flight' OR busy_until IS NULL OR busy_until <= :now"
+            " OR owner = :owner)") if guard_busy else ""
+    return (
+        "UPDATE operations SET state = :target, reason = COALESCE(:reason, reason), "
+        "attempts = attempts + :count, updated_at = :now, owner = :owner, "
+        f"busy_until = :busy_until WHERE id = :id AND state IN ({allowed}){busy} "
+        "RETURNING attempts"
+    )
+
+
 SELECT_OPERATIONS_BY_STATE = (
     f"SELECT rowid, {OP_COLUMNS} FROM operations WHERE state = ? AND rowid > ? "
     "ORDER BY rowid LIMIT ?"
@@ -194,9 +217,6 @@ CLOSE_OPEN_ATTEMPTS = (
 SELECT_ATTEMPTS = (
     "SELECT id, operation_id, n, kind, started_at, finished_at, status, outcome, detail "
     "FROM attempts WHERE operation_id = ? ORDER BY id"
-)
-SELECT_LAST_ATTEMPT_OPEN = (
-    "SELECT outcome IS NULL FROM attempts WHERE operation_id = ? ORDER BY id DESC LIMIT 1"
 )
 
 # embedded queue

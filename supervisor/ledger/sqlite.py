@@ -166,11 +166,8 @@ class SqliteLedger:
         await self.db.write(write)
 
     async def get_operation(self, operation_id: str) -> Operation | None:
-        row = await self.db.read_one(sql.SELECT_OPERATION, (operation_id,))
-        if row is None:
-            return None
-        last = await self.db.read_one(sql.SELECT_LAST_ATTEMPT_OPEN, (operation_id,))
-        return _op(row, unfinished=bool(last and last[0]))
+        row = await self.db.read_one(sql.SELECT_OPERATION_WITH_OPEN_ATTEMPT, (operation_id,))
+        return _op(row, unfinished=bool(row[8])) if row else None
 
     async def list_operations(self, run_id: str, state: OpState | None, after: int,
                               limit: int) -> list[tuple[int, Operation]]:
@@ -186,23 +183,19 @@ class SqliteLedger:
         return [Attempt(*r) for r in rows]
 
     async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
-                            busy_s: float = 0.0) -> int:
+                            busy_s: float = 0.0, supersedes_open: bool = True) -> int:
         async def write(conn: aiosqlite.Connection) -> int:
             now = time.time()
-            row = await _fetchone(conn, sql.SELECT_OP_STATE, (operation_id,))
-            if (row is not None and row[0] == OpState.IN_FLIGHT.value and row[3] is not None
-                    and row[3] > now and row[2] != owner):
-                raise OperationBusy(operation_id, row[3])
-            n = await _transition(conn, operation_id, OpState.IN_FLIGHT, None, count=1, now=now)
-            if busy_s > 0:
-                await conn.execute(sql.CLAIM_OP, (owner, now + busy_s, operation_id))
-            await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, (now, operation_id))
-            cur = await conn.execute(sql.INSERT_ATTEMPT, (operation_id, n, kind, now))
-            row = await cur.fetchone()
-            assert row is not None
-            return int(row[0])
+            n = await _transition(conn, operation_id, OpState.IN_FLIGHT, None, count=1, now=now,
+                                  owner=owner, busy_until=now + busy_s if busy_s > 0 else None)
+            if supersedes_open:
+                await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, (now, operation_id))
+            rows = await conn.execute_fetchall(sql.INSERT_ATTEMPT, (operation_id, n, kind, now))
+            return int(next(iter(rows))[0])
 
-        return await self.db.write(write)
+        # The guarded transition is the first statement and raises before anything is
+        # written, so this write needs no savepoint of its own.
+        return await self.db.write(write, savepoint=False)
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         async def write(conn: aiosqlite.Connection) -> None:
@@ -221,7 +214,8 @@ class SqliteLedger:
                         await conn.execute(sql.RETRY_MESSAGE,
                                            (now + s.delay_s, s.operation_id, token))
 
-        await self.db.write(write)
+        # One settlement can only fail at its first (guarded) statement: no savepoint.
+        await self.db.write(write, savepoint=len(settlements) > 1)
         if self._owns_queue:
             return []
         return [s for s in settlements
@@ -292,15 +286,25 @@ async def _fetchone(conn: aiosqlite.Connection, query: str,
 
 
 async def _transition(conn: aiosqlite.Connection, operation_id: str, target: OpState,
-                      reason: str | None, count: int, now: float) -> int:
+                      reason: str | None, count: int, now: float, owner: str | None = None,
+                      busy_until: float | None = None) -> int:
     """Move one operation to ``target`` inside the caller's transaction; return its attempts.
 
-    Raises IllegalTransition (and the savepoint undoes the caller's write) when the state
-    machine forbids the move.
+    Raises before writing anything: IllegalTransition when the state machine forbids the
+    move, OperationBusy when another owner holds the attempt in flight (only checked when
+    ``owner`` is given), KeyError when there is no such operation.
     """
+    params = {"target": target.value, "reason": reason, "count": count, "now": now,
+              "owner": owner, "busy_until": busy_until, "id": operation_id}
+    rows = list(await conn.execute_fetchall(sql.transition(target, owner is not None), params))
+    if rows:
+        return int(rows[0][0])
     row = await _fetchone(conn, sql.SELECT_OP_STATE, (operation_id,))
     if row is None:
         raise KeyError(f"operation {operation_id} does not exist")
-    states.check(operation_id, OpState(row[0]), target)
-    await conn.execute(sql.UPDATE_OP_STATE, (target.value, reason, count, now, operation_id))
-    return int(row[1]) + count
+    state, _, holder, busy = row
+    if owner is not None and state == OpState.IN_FLIGHT.value and busy and busy > now \
+            and holder != owner:
+        raise OperationBusy(operation_id, busy)
+    states.check(operation_id, OpState(state), target)
+    raise AssertionError(f"transition of {operation_id} refused for no known reason")

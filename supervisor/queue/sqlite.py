@@ -42,12 +42,11 @@ class SqliteQueue:
 
         async def write(conn: aiosqlite.Connection) -> list[Delivery]:
             now = time.time()
-            async with conn.execute(sql.CLAIM_MESSAGES,
-                                    (now + lease_s, token, now, max_messages)) as cur:
-                rows = await cur.fetchall()
+            rows = await conn.execute_fetchall(sql.CLAIM_MESSAGES,
+                                               (now + lease_s, token, now, max_messages))
             return [Delivery(Message(r[0], r[1], r[2]), token, r[3]) for r in rows]
 
-        return await self.db.write(write)
+        return await self.db.write(write, savepoint=False)  # a single statement
 
     async def wait(self, timeout_s: float) -> None:
         row = await self.db.read_one(sql.NEXT_AVAILABLE)

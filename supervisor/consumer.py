@@ -165,6 +165,8 @@ class ConsumerPool:
                 await asyncio.shield(self.queue.nack(delivery, 0.0))
                 raise
             self._record_answer(answer)
+            if answer.quota is not None:
+                self.limiter.on_quota(answer.quota.rate_per_second, answer.quota.exhausted_for_s)
             if answer.verdict is Verdict.THROTTLED:
                 # Not a failed attempt: pause everyone, keep the message, try again.
                 self.limiter.on_throttle(sent_at, answer.retry_after_s)

@@ -58,6 +58,7 @@ class AdaptiveLimiter:
         self._pause_gen = 0  # bumped by every pause; the bucket is emptied once per pause
         self._filled_gen = 0
         self.throttles = 0
+        self.announced: float | None = None  # rate from the partner's RateLimit headers
 
     def _ensure(self) -> AsyncLimiter:
         # Built lazily: aiolimiter binds itself to the running loop on first use.
@@ -99,16 +100,40 @@ class AdaptiveLimiter:
             self._filled_gen = self._pause_gen
             _fill(self._bucket)
 
+    @property
+    def effective_ceiling(self) -> float:
+        """The configured ceiling, lowered to what the partner announces, if it does."""
+        if self.announced is None:
+            return self.ceiling
+        return max(self.floor, min(self.ceiling, self.announced))
+
+    def on_quota(self, rate_per_second: float | None, exhausted_for_s: float | None) -> None:
+        """The partner's RateLimit headers: pace by them before any 429 arrives."""
+        if rate_per_second is not None and rate_per_second > 0 \
+                and rate_per_second != self.announced:
+            self.announced = rate_per_second
+            if self.rate > self.effective_ceiling:
+                self._set_rate(self.effective_ceiling)
+            elif self.throttles == 0:
+                # No 429 has taught us a lower rate: trust the announcement outright.
+                self._set_rate(self.effective_ceiling)
+        # "Nothing left until t" matters only when we cannot pace by the policy: pacing at
+        # q/w keeps a token bucket's remaining near 0 all the time, and pausing on that
+        # would halve the throughput for nothing.
+        if self.announced is None and exhausted_for_s is not None and exhausted_for_s > 0:
+            self.pause(exhausted_for_s)
+
     def on_success(self) -> None:
         """A healthy answer: climb back towards the ceiling, additively, once per second."""
-        if self.rate >= self.ceiling:
+        if self.rate >= self.effective_ceiling:
             return
         now = time.monotonic()
         elapsed = now - self._last_raise
         if elapsed < 1.0:
             return
         self._last_raise = now
-        self._set_rate(min(self.ceiling, self.rate + self.increase_per_second * elapsed))
+        self._set_rate(min(self.effective_ceiling,
+                           self.rate + self.increase_per_second * elapsed))
 
     def on_throttle(self, sent_at: float, retry_after_s: float | None) -> None:
         """A 429: cut the rate once per episode and pause every worker for Retry-After."""

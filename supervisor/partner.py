@@ -34,12 +34,21 @@ class Verdict(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Quota:
+    """What the partner announced with the IETF RateLimit / RateLimit-Policy headers."""
+
+    rate_per_second: float | None  # quota / window of the most restrictive policy
+    exhausted_for_s: float | None  # remaining is 0: seconds until the window resets
+
+
+@dataclass(frozen=True, slots=True)
 class Answer:
     verdict: Verdict
     status: int | None
     detail: str
     retry_after_s: float | None = None
     elapsed_s: float = 0.0
+    quota: Quota | None = None
 
 
 class Presence(enum.Enum):
@@ -69,6 +78,56 @@ def parse_retry_after(value: str | None, now: float, maximum: float) -> float | 
     if seconds != seconds:  # NaN
         return None
     return min(max(seconds, 0.0), maximum)
+
+
+def _params(item: str) -> dict[str, str]:
+    out = {}
+    for part in item.split(";")[1:]:
+        key, _, value = part.strip().partition("=")
+        out[key.strip().lower()] = value.strip().strip('"')
+    return out
+
+
+def _number(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if number >= 0 and number == number else None
+
+
+def parse_quota(policy: str | None, state: str | None, remaining: str | None = None,
+                reset: str | None = None) -> Quota | None:
+    """Read the IETF rate-limit headers, in the current structured form
+    (``RateLimit-Policy: "default";q=100;w=1`` and ``RateLimit: "default";r=42;t=1``) or the
+    older draft's (``RateLimit-Policy: 100;w=60`` with ``RateLimit-Remaining`` /
+    ``RateLimit-Reset``). Unparseable parts are ignored: pacing then falls back to 429s.
+    """
+    rate: float | None = None
+    for item in (policy or "").split(","):
+        if not item.strip():
+            continue
+        params = _params(item)
+        head = item.split(";")[0].strip()
+        quota = _number(params.get("q")) if "q" in params else _number(head)
+        window = _number(params.get("w", "1"))
+        if quota is not None and window:
+            candidate = quota / window
+            rate = candidate if rate is None else min(rate, candidate)
+    exhausted: float | None = None
+    for item in (state or "").split(","):
+        params = _params(item)
+        r, t = _number(params.get("r")), _number(params.get("t"))
+        if r is not None and r < 1 and t is not None:
+            exhausted = t if exhausted is None else max(exhausted, t)
+    r_old, t_old = _number(remaining), _number(reset)
+    if r_old is not None and r_old < 1 and t_old is not None:
+        exhausted = t_old if exhausted is None else max(exhausted, t_old)
+    if rate is None and exhausted is None:
+        return None
+    return Quota(rate, exhausted)
 
 
 def classify(status: int, retry_after_s: float | None) -> Verdict:
@@ -144,8 +203,13 @@ class PartnerClient:
                 detail = f"HTTP {resp.status}"
                 if resp.headers.get("Idempotent-Replayed", "").lower() == "true":
                     detail += " (replayed)"
+                h = resp.headers
+                quota = None
+                if "RateLimit-Policy" in h or "RateLimit" in h or "RateLimit-Remaining" in h:
+                    quota = parse_quota(h.get("RateLimit-Policy"), h.get("RateLimit"),
+                                        h.get("RateLimit-Remaining"), h.get("RateLimit-Reset"))
                 return Answer(verdict, resp.status, detail, retry_after,
-                              time.monotonic() - started)
+                              time.monotonic() - started, quota)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # Never connected: the partner cannot have acted.
             return Answer(Verdict.TRANSIENT, None, f"connect failed: {type(exc).__name__}",

@@ -68,10 +68,12 @@ class TokenBucket:
         if self.rate <= 0:
             return None
         self._refill(now)
+        # The window of a bucket is the time it takes to refill completely (at least 1 s);
+        # its quota is what the refill rate grants in that window, not the burst.
+        window = max(1, math.ceil(self.burst / self.rate - _EPSILON))
         return Quota(
-            limit=max(1, math.floor(self.burst)),
-            # The window of a bucket is the time it takes to refill completely.
-            window_seconds=max(1, math.ceil(self.burst / self.rate)),
+            limit=max(1, math.floor(self.rate * window + _EPSILON)),
+            window_seconds=window,
             remaining=max(0, math.floor(self.tokens + _EPSILON)),
             reset_seconds=max(0, math.ceil((self.burst - self.tokens) / self.rate - _EPSILON)),
         )

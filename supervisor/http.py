@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from prometheus_async.aio.web import server_stats
 from supervisor.config import Config
 from supervisor.errors import IllegalTransition
 from supervisor.ledger.base import Ledger, Operation, Run
+from supervisor.openapi import DOCUMENT, PRINTABLE, TICK_KEY
 from supervisor.reconcile import RESOLUTIONS, Reconciler
 from supervisor.runs import RunOpener, Tick
 from supervisor.sources import check_recipient_id
@@ -74,6 +76,10 @@ async def error_middleware(request: web.Request,
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[API].config.service.max_body_bytes
         return _error(413, f"request body larger than {limit} bytes")
+    except web.HTTPMethodNotAllowed as exc:
+        response = _error(405, f"{request.method} not allowed here")
+        response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -90,7 +96,9 @@ def _authorize(request: web.Request) -> None:
     # Compare in constant time, and compare even when the header is malformed so the
     # timing does not reveal which check failed.
     expected = token.reveal().encode() if token else b"\x00"
-    ok = hmac.compare_digest(supplied.strip().encode(), expected)
+    # surrogateescape: header bytes that are not UTF-8 arrive as lone surrogates, and a
+    # wrong token must be a 401, not an encoding error.
+    ok = hmac.compare_digest(supplied.strip().encode("utf-8", "surrogateescape"), expected)
     if token is None or scheme.lower() != "bearer" or not ok:
         raise ApiError(401, "missing or wrong bearer token")
 
@@ -137,6 +145,11 @@ def _parse_slot(value: Any) -> datetime:
             raise ApiError(400, "scheduled_for must be an ISO 8601 time or a Unix time") from None
         if slot.tzinfo is None:
             raise ApiError(400, "scheduled_for must carry a UTC offset")
+        try:
+            # The tick key and the ledger use the UTC instant: it must exist (year 1..9999).
+            slot.astimezone(UTC).timestamp()
+        except (OverflowError, OSError, ValueError):
+            raise ApiError(400, "scheduled_for is out of range") from None
         return slot
     raise ApiError(400, "scheduled_for must be an ISO 8601 time or a Unix time")
 
@@ -181,8 +194,8 @@ async def _tick_from(request: web.Request) -> Tick:
     elif config.source.kind == "inline":
         raise ApiError(400, "recipient_ids is required: source.kind is 'inline'")
     key = request.headers.get("Idempotency-Key")
-    if key is not None and (not 0 < len(key) <= 200 or check_recipient_id(key) is not None):
-        raise ApiError(400, "Idempotency-Key must be 1 to 200 printable characters")
+    if key is not None and not re.fullmatch(TICK_KEY, key):
+        raise ApiError(400, "Idempotency-Key must be 1 to 200 visible ASCII characters")
     return Tick(schedule=schedule, slot=slot, key=key, recipient_ids=ids)
 
 
@@ -323,11 +336,11 @@ async def resolve_operation(request: web.Request) -> web.Response:
     if unknown:
         raise ApiError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
     outcome, by, why = doc.get("outcome"), doc.get("by"), doc.get("reason")
-    if outcome not in RESOLUTIONS:
+    if not isinstance(outcome, str) or outcome not in RESOLUTIONS:
         raise ApiError(400, f"outcome must be one of {', '.join(RESOLUTIONS)}")
     for name, value in (("by", by), ("reason", why)):
         if not isinstance(value, str) or not 0 < len(value) <= 500 or \
-                check_recipient_id(value[:256]) is not None:
+                not re.fullmatch(PRINTABLE, value):
             raise ApiError(400, f"{name} must be a non-empty printable string")
     if not (isinstance(outcome, str) and isinstance(by, str) and isinstance(why, str)):
         raise AssertionError("validated above")
@@ -358,6 +371,10 @@ async def metrics_handler(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return _json(DOCUMENT)
+
+
 def create_app(state: ApiState) -> web.Application:
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=state.config.service.max_body_bytes)
@@ -372,4 +389,5 @@ def create_app(state: ApiState) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/openapi.json", openapi)
     return app

@@ -103,6 +103,7 @@ class Service:
         queue = SqliteQueue(db)
         ledger = SqliteLedger(db, owns_queue=True)
         released = await queue.recover_leases()
+        await ledger.release_dead_owners()
         limiter = AdaptiveLimiter(c.limits)
         partner = PartnerClient(c.partner, c.limits.concurrency)
         await partner.start()

@@ -51,13 +51,25 @@ def check_recipient_id(value: object) -> str | None:
     return None
 
 
-def _collect(items: Sequence[Any], id_field: str) -> tuple[list[str], Counter[str]]:
+def _path_like(value: str) -> bool:
+    """A ``.`` or ``..`` path segment: percent-encoding keeps it inside one segment, but a
+    proxy that decodes ``%2F`` would turn a DELETE for it into one for another resource."""
+    return any(segment in (".", "..") for segment in value.replace("\\", "/").split("/"))
+
+
+def _collect(items: Sequence[Any], id_field: str,
+             objects_only: bool = False) -> tuple[list[str], Counter[str]]:
     ids: list[str] = []
     skipped: Counter[str] = Counter()
     seen: set[str] = set()
     for item in items:
+        if objects_only and not isinstance(item, Mapping):
+            skipped["not_an_object"] += 1
+            continue
         value = item.get(id_field) if isinstance(item, Mapping) else item
         reason = check_recipient_id(value)
+        if reason is None and isinstance(value, str) and _path_like(value):
+            reason = "path_traversal"
         if reason is not None:
             skipped[reason] += 1
         elif value in seen:
@@ -101,7 +113,8 @@ class FileSource:
             with self.path.open("rb") as fh:
                 header: list[str] | None = None
                 if self.fmt == "csv":
-                    header = next(csv.reader([fh.readline().decode("utf-8")]), [])
+                    # utf-8-sig: spreadsheet exports begin with a byte order mark.
+                    header = next(csv.reader([fh.readline().decode("utf-8-sig")]), [])
                     if self.id_field not in header:
                         raise SourceError(f"{self.path}: CSV header has no column "
                                           f"{self.id_field!r}")
@@ -174,7 +187,8 @@ class HttpSource:
         next_cursor = doc.get(c.next_cursor_field)
         if next_cursor is not None and not isinstance(next_cursor, str | int):
             raise SourceError(f"candidate page field {c.next_cursor_field!r} is not a string")
-        ids, skipped = _collect(doc[c.items_field], c.id_field)
+        # Items are objects holding the ID field; a bare value is a malformed item.
+        ids, skipped = _collect(doc[c.items_field], c.id_field, objects_only=True)
         nxt = str(next_cursor) if next_cursor not in (None, "") else None
         if nxt is not None and nxt == cursor:
             raise SourceError("candidate source returned the same cursor again")

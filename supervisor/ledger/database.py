@@ -125,6 +125,13 @@ class Database:
                     await conn.execute("SAVEPOINT w")
                 try:
                     results.append((True, await fn(conn)))
+                except sqlite3.IntegrityError as exc:
+                    # A constraint the write broke (foreign key, unique, not null) is the
+                    # caller's error, not the storage's: it must not fail the batch or
+                    # mark the ledger unhealthy. The failed statement undid itself.
+                    if savepoint:
+                        await conn.execute("ROLLBACK TO w")
+                    results.append((False, exc))
                 except (sqlite3.OperationalError, sqlite3.DatabaseError):
                     raise  # storage trouble: the whole batch fails below
                 except Exception as exc:  # the caller's own error: only its write undone

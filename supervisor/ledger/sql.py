@@ -251,6 +251,10 @@ RELEASE_DEAD_LEASES = (
     "UPDATE messages SET available_at = ?, lease_token = NULL "
     "WHERE lease_token IS NOT NULL AND available_at > ?"
 )
+# Likewise every attempt still held in flight: its owner (a lease) died with that process.
+RELEASE_DEAD_OWNERS = (
+    "UPDATE operations SET owner = NULL, busy_until = NULL WHERE busy_until IS NOT NULL"
+)
 SELECT_MISSING_MESSAGES = (
     "SELECT value FROM json_each(?) WHERE value NOT IN (SELECT operation_id FROM messages)"
 )

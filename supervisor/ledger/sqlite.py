@@ -197,6 +197,19 @@ class SqliteLedger:
         # written, so this write needs no savepoint of its own.
         return await self.db.write(write, savepoint=False)
 
+    async def release_dead_owners(self) -> int:
+        """Free every operation an attempt of a previous process holds in flight.
+
+        Call once at start-up, under the data-dir lock, with the queue's recover_leases:
+        the holders are gone, so their redelivered messages may be resent at once rather
+        than after ``busy_s``.
+        """
+        async def write(conn: aiosqlite.Connection) -> int:
+            cur = await conn.execute(sql.RELEASE_DEAD_OWNERS)
+            return cur.rowcount
+
+        return await self.db.write(write)
+
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         async def write(conn: aiosqlite.Connection) -> None:
             now = time.time()

@@ -1,0 +1,219 @@
+"""The OpenAPI 3.1 document of the HTTP API, served at ``/openapi.json``.
+
+Hand-written, and checked against the running service by schemathesis in the tests, so
+it cannot drift from the handlers unnoticed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from supervisor import __version__
+from supervisor.states import OpState, RunState
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+# What supervisor.sources.check_recipient_id accepts: no control characters, and not
+# only whitespace. (Lone surrogates cannot arrive: the JSON parser refuses them.)
+_CHARS = r"[^\x00-\x1f\x7f-\x9f]"
+PRINTABLE = rf"^{_CHARS}*[^\s\x00-\x1f\x7f-\x9f]{_CHARS}*$"
+# Idempotency-Key of a tick: visible ASCII only, as HTTP header values travel safely.
+TICK_KEY = r"^[!-~]{1,200}$"
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    text = {400: "bad request", 401: "missing or wrong token", 404: "not found",
+            409: "conflict", 413: "body too large", 415: "body must be JSON",
+            503: "not accepting (shutting down or ledger fault)"}
+    return {str(c): {"description": text[c],
+                     "content": {"application/json": {"schema": _ERROR}}} for c in codes}
+
+
+def _ok(description: str, schema: dict[str, Any], status: str = "200") -> dict[str, Any]:
+    return {status: {"description": description,
+                     "content": {"application/json": {"schema": schema}}}}
+
+
+_PAGE_PARAMS = [
+    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
+                                                   "maximum": 1000}},
+    {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0,
+                                                   "maximum": 2**62}},
+]
+_STATE = {"type": "string", "enum": [s.value for s in OpState]}
+_NUM_OR_NULL = {"type": ["number", "null"]}
+_STR_OR_NULL = {"type": ["string", "null"]}
+
+DOCUMENT: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {"title": "cleanup-supervisor", "version": __version__,
+             "description": "Ticks open runs; runs are paced, idempotent streams of deletions."},
+    "security": [{"bearer": []}],
+    "paths": {
+        "/v1/runs": {
+            "post": {
+                "summary": "A tick: open a run, or return the one this tick already opened",
+                "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
+                                "schema": {"type": "string", "pattern": TICK_KEY}}],
+                "requestBody": {"required": False, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/Tick"}}}},
+                "responses": {
+                    **_ok("the run this tick opened", {"$ref": "#/components/schemas/Opened"},
+                          "201"),
+                    **_ok("the run a previous delivery of this tick opened",
+                          {"$ref": "#/components/schemas/Opened"}),
+                    **_errors(400, 401, 409, 413, 415, 503)},
+            },
+            "get": {
+                "summary": "Runs, newest first",
+                "parameters": [
+                    {"name": "limit", "in": "query",
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 200}},
+                    {"name": "before", "in": "query", "schema": {"type": "string"}}],
+                "responses": {**_ok("runs", {"type": "object", "required": ["runs"],
+                                             "properties": {"runs": {"type": "array", "items": {
+                                                 "$ref": "#/components/schemas/Run"}}}}),
+                              **_errors(400, 401)},
+            },
+        },
+        "/v1/runs/{run_id}": {
+            "get": {
+                "summary": "One run with counts per state; wait=done long-polls",
+                "parameters": [
+                    {"name": "run_id", "in": "path", "required": True,
+                     "schema": {"type": "string"}},
+                    {"name": "wait", "in": "query", "schema": {"type": "string",
+                                                                "enum": ["done"]}},
+                    {"name": "timeout", "in": "query",
+                     "schema": {"type": "integer", "minimum": 0, "maximum": 60}}],
+                "responses": {**_ok("the run", {"$ref": "#/components/schemas/Run"}),
+                              **_errors(400, 401, 404)},
+            },
+        },
+        "/v1/runs/{run_id}/operations": {
+            "get": {
+                "summary": "A run's operations, optionally in one state, paged by next_after",
+                "parameters": [{"name": "run_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}},
+                               {"name": "state", "in": "query", "schema": _STATE},
+                               *_PAGE_PARAMS],
+                "responses": {**_ok("operations", {"$ref": "#/components/schemas/OpPage"}),
+                              **_errors(400, 401, 404)},
+            },
+        },
+        "/v1/operations": {
+            "get": {
+                "summary": "Operations in one state across runs (e.g. ambiguous)",
+                "parameters": [{"name": "state", "in": "query", "required": True,
+                                "schema": _STATE}, *_PAGE_PARAMS],
+                "responses": {**_ok("operations", {"$ref": "#/components/schemas/OpPage"}),
+                              **_errors(400, 401)},
+            },
+        },
+        "/v1/operations/{operation_id}": {
+            "get": {
+                "summary": "One operation and its attempts log",
+                "parameters": [{"name": "operation_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}],
+                "responses": {**_ok("the operation", {"$ref": "#/components/schemas/Operation"}),
+                              **_errors(401, 404)},
+            },
+        },
+        "/v1/operations/{operation_id}/resolve": {
+            "post": {
+                "summary": "An operator's decision on an ambiguous operation",
+                "parameters": [{"name": "operation_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/Resolution"}}}},
+                "responses": {**_ok("resolved", {"type": "object",
+                                                 "required": ["id", "state"],
+                                                 "properties": {"id": {"type": "string"},
+                                                                "state": _STATE}}),
+                              **_errors(400, 401, 404, 409, 413, 415)},
+            },
+        },
+        "/healthz": {"get": {"security": [], "summary": "liveness",
+                             "responses": _ok("alive", {"type": "object"})}},
+        "/readyz": {"get": {"security": [], "summary": "readiness", "responses": {
+            **_ok("ready", {"type": "object"}),
+            "503": {"description": "not ready", "content": {"application/json": {
+                "schema": {"type": "object"}}}}}}},
+        "/metrics": {"get": {"security": [], "summary": "Prometheus metrics", "responses": {
+            "200": {"description": "metrics", "content": {"text/plain": {
+                "schema": {"type": "string"}}}}}}},
+    },
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "schemas": {
+            "Error": {"type": "object", "required": ["error"],
+                      "properties": {"error": {"type": "string"}}},
+            "Tick": {
+                "type": "object", "additionalProperties": False,
+                "properties": {
+                    "schedule": {"type": "string", "minLength": 1, "maxLength": 100,
+                                 "pattern": PRINTABLE},
+                    "scheduled_for": {"oneOf": [{"type": "string", "format": "date-time"},
+                                                {"type": "number", "minimum": 0,
+                                                 "maximum": 253402300799}]},
+                    "recipient_ids": {"type": "array", "maxItems": 10000,
+                                      "items": {"type": "string", "minLength": 1,
+                                                "maxLength": 256, "pattern": PRINTABLE}},
+                },
+            },
+            "Opened": {
+                "type": "object", "required": ["created", "run"],
+                "properties": {"created": {"type": "boolean"},
+                               "run": {"type": "object", "required": ["id", "state"],
+                                       "properties": {"id": {"type": "string"},
+                                                      "state": {"type": "string"},
+                                                      "tick_key": {"type": "string"}}}},
+            },
+            "Run": {
+                "type": "object",
+                "required": ["id", "state", "tick_key", "schedule", "discovered", "created_at"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "state": {"type": "string", "enum": [s.value for s in RunState]},
+                    "tick_key": {"type": "string"}, "schedule": {"type": "string"},
+                    "scheduled_for": _NUM_OR_NULL, "source": _STR_OR_NULL,
+                    "discovered": {"type": "integer"}, "scan": {"type": "object"},
+                    "created_at": {"type": "number"}, "scan_finished_at": _NUM_OR_NULL,
+                    "finished_at": _NUM_OR_NULL,
+                    "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+                    "unfinished": {"type": "integer"}, "projected_finish": {"type": "number"},
+                },
+            },
+            "Operation": {
+                "type": "object",
+                "required": ["id", "run_id", "recipient_id", "state", "attempts"],
+                "properties": {
+                    "id": {"type": "string"}, "run_id": {"type": "string"},
+                    "recipient_id": {"type": "string"}, "state": _STATE,
+                    "attempts": {"type": "integer"}, "reason": _STR_OR_NULL,
+                    "created_at": {"type": "number"}, "updated_at": {"type": "number"},
+                    "attempts_log": {"type": "array", "items": {"type": "object"}},
+                },
+            },
+            "OpPage": {
+                "type": "object", "required": ["operations", "next_after"],
+                "properties": {
+                    "operations": {"type": "array",
+                                   "items": {"$ref": "#/components/schemas/Operation"}},
+                    "next_after": {"type": ["integer", "null"]},
+                },
+            },
+            "Resolution": {
+                "type": "object", "additionalProperties": False,
+                "required": ["outcome", "by", "reason"],
+                "properties": {
+                    "outcome": {"type": "string",
+                                "enum": ["deleted", "already_absent", "failed", "retry"]},
+                    "by": {"type": "string", "minLength": 1, "maxLength": 500,
+                           "pattern": PRINTABLE},
+                    "reason": {"type": "string", "minLength": 1, "maxLength": 500,
+                               "pattern": PRINTABLE},
+                },
+            },
+        },
+    },
+}

@@ -10,6 +10,7 @@ from zoneinfo import ZoneInfo
 from croniter import croniter
 
 from supervisor.config import ScheduleConfig
+from supervisor.ledger.base import OpenRunResult
 from supervisor.runs import RunOpener, Tick
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,10 @@ class Scheduler:
         self.config = config
         self.cron = config.cron
         self.opener = opener
+        self.ticked = asyncio.Event()  # set after every tick, opened or not
+        self.waiting = asyncio.Event()  # set while waiting for next_tick_at
+        self.next_tick_at: datetime | None = None
+        self.last_result: OpenRunResult | None = None
 
     async def run(self) -> None:
         c = self.config
@@ -47,12 +52,16 @@ class Scheduler:
         log.info("schedule %s: next tick at %s", c.name, slot.isoformat(),
                  extra={"action": "schedule_next"})
         while True:
+            self.next_tick_at = slot
+            self.waiting.set()
             await _sleep_until(slot)
+            self.waiting.clear()
             await self._tick(slot)
             slot = next_slot(self.cron, c.timezone, slot)
 
     async def _tick(self, slot: datetime) -> None:
-        await self.opener.open(Tick(schedule=self.config.name, slot=slot))
+        self.last_result = await self.opener.open(Tick(schedule=self.config.name, slot=slot))
+        self.ticked.set()
 
 
 async def _sleep_until(when: datetime) -> None:

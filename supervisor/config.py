@@ -325,10 +325,23 @@ def _apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> list[st
             value: Any = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
             value = text  # a bare string such as 0.0.0.0:8080 or a path
+        if not isinstance(value, str) and _textual(section, key):
+            value = text  # an env var is text: a schedule named 2024 is not a number
         table = raw.setdefault(section, {})
         if isinstance(table, dict):
             table[key] = value
     return problems
+
+
+def _textual(section: str, key: str) -> bool:
+    """Whether ``section.key`` holds text (a string, a path, or one of several strings)."""
+    cls = typing.get_type_hints(Config).get(section)
+    hint = typing.get_type_hints(cls).get(key) if cls is not None else None
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        hint = next((a for a in typing.get_args(hint) if a is not type(None)), None)
+    if typing.get_origin(hint) is Literal:
+        return all(isinstance(a, str) for a in typing.get_args(hint))
+    return hint in (str, Path)
 
 
 def _build(section: str, cls: type[Any], table: dict[str, Any],

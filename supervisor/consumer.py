@@ -8,7 +8,7 @@ import enum
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from supervisor import metrics
 from supervisor.config import Config
@@ -47,6 +47,13 @@ class ConsumerPool:
         self._stopping = asyncio.Event()
         self._phases: dict[asyncio.Task[None], Phase] = {}
         self.settled = 0
+        # Messages received for idle workers, and every message held, for lease extension.
+        self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._idle = 0
+        self._wanted = asyncio.Event()
+        self._held: dict[str, tuple[Delivery, float]] = {}
+        self._fetcher: asyncio.Task[None] | None = None
+        self._extender: asyncio.Task[None] | None = None
         # How long an attempt may hold its operation: the request's own bound, plus slack.
         self._busy_s = (config.partner.connect_timeout_seconds
                         + config.partner.request_timeout_seconds + 5.0)
@@ -55,6 +62,8 @@ class ConsumerPool:
         self._stopping = asyncio.Event()
         metrics.WORKERS.set(self.config.limits.concurrency)
         async with asyncio.TaskGroup() as tg:
+            self._fetcher = tg.create_task(self._fetch(), name="consumer-fetch")
+            self._extender = tg.create_task(self._extend_leases(), name="consumer-leases")
             for i in range(self.config.limits.concurrency):
                 task = tg.create_task(self._worker(), name=f"consumer-{i}")
                 self._phases[task] = Phase.IDLE
@@ -66,6 +75,9 @@ class ConsumerPool:
     async def stop(self, grace_s: float) -> dict[str, int]:
         """Drain the pool; return how many workers finished and how many were cut off."""
         self._stopping.set()
+        for helper in (self._fetcher, self._extender):
+            if helper is not None:
+                helper.cancel("shutdown")
         for task, phase in self._phases.items():
             if phase is not Phase.SENDING:
                 task.cancel("shutdown: nothing in the air")
@@ -78,32 +90,94 @@ class ConsumerPool:
                 cut += 1
             if late:
                 await asyncio.wait(late)
+        # Received but never picked up by a worker: hand back at once.
+        while not self._inbox.empty():
+            await asyncio.shield(self.queue.nack(self._inbox.get_nowait(), 0.0))
         return {"workers": len(self._phases), "cut_off": cut}
 
-    async def _worker(self) -> None:
-        task = asyncio.current_task()
-        assert task is not None
+    async def _fetch(self) -> None:
+        """Receive as many messages as there are idle workers, in one claim; never more,
+        so no message waits under lease in our hands while another replica could work it."""
         lease_s = self.config.queue.lease_seconds
         poll_s = self.config.queue.poll_interval_seconds
-        while not self._stopping.is_set():
-            self._phases[task] = Phase.IDLE
+        batch = self.config.queue.receive_batch
+        while True:
+            wanted = self._idle - self._inbox.qsize()
+            if wanted <= 0:
+                self._wanted.clear()
+                await self._wanted.wait()
+                continue
             try:
-                deliveries = await self.queue.receive(1, lease_s)
+                deliveries = await self._receive(min(wanted, batch), lease_s)
             except StorageError:
                 await self._backoff_storage()
                 continue
             if not deliveries:
                 await self.queue.wait(poll_s)
                 continue
+            now = time.monotonic()
+            for d in deliveries:
+                self._held[d.message.operation_id] = (d, now)
+                self._inbox.put_nowait(d)
+
+    async def _receive(self, n: int, lease_s: float) -> list[Delivery]:
+        claim = asyncio.ensure_future(self.queue.receive(n, lease_s))
+        try:
+            return await asyncio.shield(claim)
+        except asyncio.CancelledError:
+            # Shutdown while claiming: the claim commits all the same, so hand back what it
+            # took instead of leaving it leased until the lease runs out.
+            with contextlib.suppress(StorageError):
+                for delivery in await claim:
+                    await self.queue.nack(delivery, 0.0)
+            raise
+
+    async def _extend_leases(self) -> None:
+        """Extend the lease of every message held for more than a third of it: a worker
+        waiting on the limiter or a Retry-After keeps its message, and nobody else gets it."""
+        lease_s = self.config.queue.lease_seconds
+        while True:
+            await asyncio.sleep(lease_s / 3)  # a period, not a synchronisation
+            due = time.monotonic() - lease_s / 3
+            for op_id, (delivery, since) in list(self._held.items()):
+                if since > due:
+                    continue
+                try:
+                    kept = await self.queue.extend(delivery, lease_s)
+                except StorageError:
+                    continue
+                if op_id in self._held:
+                    self._held[op_id] = (delivery, time.monotonic())
+                if not kept:
+                    log.warning("lease on %s lost", op_id, extra={"operation_id": op_id})
+
+    async def _worker(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        while not self._stopping.is_set():
+            self._phases[task] = Phase.IDLE
+            self._idle += 1
+            self._wanted.set()
+            try:
+                delivery = await self._inbox.get()
+            finally:
+                self._idle -= 1
             metrics.WORKERS_BUSY.inc()
             try:
-                await self._handle(task, deliveries[0])
+                await self._handle(task, delivery)
+            except asyncio.CancelledError:
+                # Shutdown: hand the message back now, not when its lease runs out. If the
+                # request had left, its attempt stays open and the redelivery treats it as
+                # ambiguous. Queued after any settlement of ours, so an ack wins.
+                await asyncio.shield(self.queue.nack(delivery, 0.0))
+                raise
             except StorageError as exc:
                 # Nothing was acked: the lease expires and the message comes back.
                 log.warning("could not record operation %s: %s",
-                            deliveries[0].message.operation_id, exc)
+                            delivery.message.operation_id, exc)
                 await self._backoff_storage()
             finally:
+                self._held.pop(delivery.message.operation_id, None)
                 metrics.WORKERS_BUSY.dec()
         self._phases[task] = Phase.IDLE
 
@@ -145,25 +219,20 @@ class ConsumerPool:
                 return
             self._phases[task] = Phase.WAITING
             try:
-                async with self._lease_kept(delivery):
-                    sent_at = await self.limiter.acquire()
-                    attempt_id = await self.ledger.begin_attempt(
-                        op.id, "delete", owner=delivery.lease_token, busy_s=self._busy_s,
-                        supersedes_open=op.unfinished_attempt)
-                    attempts += 1
-                    self._phases[task] = Phase.SENDING
-                    answer = await self.partner.delete(op.recipient_id, op.id)
+                sent_at = await self.limiter.acquire()
+                # From writing the attempt on, this is a request in the air: a shutdown
+                # lets it finish within the grace instead of leaving an open attempt.
+                self._phases[task] = Phase.SENDING
+                attempt_id = await self.ledger.begin_attempt(
+                    op.id, "delete", owner=delivery.lease_token, busy_s=self._busy_s,
+                    supersedes_open=op.unfinished_attempt)
+                attempts += 1
+                answer = await self.partner.delete(op.recipient_id, op.id)
             except OperationBusy as exc:
                 # A second delivery of an operation another worker has in the air (its
                 # lease expired while it waited): come back when that attempt is over.
                 await self.queue.nack(delivery, max(0.0, exc.until - time.time()))
                 return
-            except asyncio.CancelledError:
-                # Shutdown: hand the message back now instead of after the lease. If the
-                # request had left, the attempt stays unfinished and the redelivery
-                # treats it as ambiguous.
-                await asyncio.shield(self.queue.nack(delivery, 0.0))
-                raise
             self._record_answer(answer)
             if answer.quota is not None:
                 self.limiter.on_quota(answer.quota.rate_per_second, answer.quota.exhausted_for_s)
@@ -244,22 +313,3 @@ class ConsumerPool:
             metrics.OPERATIONS.labels(target.value).inc()
             self.settled += 1
             self._on_settled()
-
-    @contextlib.asynccontextmanager
-    async def _lease_kept(self, delivery: Delivery) -> AsyncIterator[None]:
-        """Extend the lease while we hold the message, so no one else gets it meanwhile."""
-        lease_s = self.config.queue.lease_seconds
-
-        async def keep() -> None:
-            while True:
-                await asyncio.sleep(lease_s / 3)
-                with contextlib.suppress(StorageError):
-                    if not await self.queue.extend(delivery, lease_s):
-                        log.warning("lease on %s lost", delivery.message.operation_id)
-                        return
-
-        keeper = asyncio.create_task(keep(), name=f"lease:{delivery.message.operation_id}")
-        try:
-            yield
-        finally:
-            keeper.cancel()

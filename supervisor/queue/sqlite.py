@@ -49,10 +49,11 @@ class SqliteQueue:
         return await self.db.write(write, savepoint=False)  # a single statement
 
     async def wait(self, timeout_s: float) -> None:
+        # Clear before reading: a publish that lands during the read must still wake us.
+        self._wakeup.clear()
         row = await self.db.read_one(sql.NEXT_AVAILABLE)
         if row is not None and row[0] is not None:
             timeout_s = max(0.0, min(timeout_s, row[0] - time.time()))
-        self._wakeup.clear()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._wakeup.wait()

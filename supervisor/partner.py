@@ -10,6 +10,7 @@ from __future__ import annotations
 import email.utils
 import enum
 import logging
+import re
 import time
 from dataclasses import dataclass
 from urllib.parse import quote
@@ -22,6 +23,8 @@ from supervisor.config import PartnerConfig
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
+# RFC 9110 delay-seconds is 1*DIGIT; a decimal fraction is tolerated, nothing else.
+_DELAY_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
 
 
 class Verdict(enum.Enum):
@@ -65,9 +68,9 @@ def parse_retry_after(value: str | None, now: float, maximum: float) -> float | 
     if value is None:
         return None
     value = value.strip()
-    try:
+    if _DELAY_SECONDS.fullmatch(value):
         seconds = float(value)
-    except ValueError:
+    else:
         try:
             when = email.utils.parsedate_to_datetime(value)
         except (TypeError, ValueError, IndexError):

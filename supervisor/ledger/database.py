@@ -141,7 +141,7 @@ class Database:
                 if savepoint:
                     await conn.execute("RELEASE w")
             await conn.execute("COMMIT")
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, ValueError) as exc:  # ValueError: the connection is gone
             with contextlib.suppress(sqlite3.Error):
                 await conn.execute("ROLLBACK")
             self._mark_unhealthy(exc)
@@ -163,7 +163,7 @@ class Database:
             else:
                 fut.set_exception(value)
 
-    def _mark_unhealthy(self, exc: sqlite3.Error) -> None:
+    def _mark_unhealthy(self, exc: Exception) -> None:
         if self.healthy:
             # One clear line per fault, not one per failed write.
             log.error("ledger cannot commit: %s (%s); operations stay unacked until it can",

@@ -105,8 +105,8 @@ SELECT_UNFINISHED_RUN = (
 )
 SELECT_RUNS = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC, id DESC LIMIT ?"
 SELECT_RUNS_BEFORE = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE created_at < (SELECT created_at FROM runs WHERE id = ?) "
-    "ORDER BY created_at DESC, id DESC LIMIT ?"
+    f"SELECT {RUN_COLUMNS} FROM runs WHERE (created_at, id) < "
+    "(SELECT created_at, id FROM runs WHERE id = ?) ORDER BY created_at DESC, id DESC LIMIT ?"
 )
 SELECT_RUNS_TO_SCAN = f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
 SELECT_CURRENT_RUN = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
@@ -132,6 +132,11 @@ UPDATE_RUNS_DONE = (
     "UPDATE runs SET state = 'done', finished_at = ? WHERE state = 'draining' AND NOT EXISTS ("
     " SELECT 1 FROM operations o WHERE o.run_id = runs.id"
     " AND o.state IN ('discovered', 'queued', 'in_flight', 'retry_wait')) RETURNING id"
+)
+# An operation queued again (a probe found the recipient present, an operator said retry)
+# is work again: a run closed meanwhile drains until it is done once more.
+REOPEN_RUN = (
+    "UPDATE runs SET state = 'draining', finished_at = NULL WHERE id = ? AND state = 'done'"
 )
 COUNT_RUN_STATES = "SELECT state, COUNT(*) FROM operations WHERE run_id = ? GROUP BY state"
 COUNT_STATES = "SELECT state, COUNT(*) FROM operations GROUP BY state"

@@ -250,9 +250,11 @@ class SqliteLedger:
             await _transition(conn, operation_id, target, reason, count=0, now=now)
             await conn.execute(sql.INSERT_EVIDENCE, (operation_id, op.attempts, kind, now, now,
                                                      status, target.value, detail[:1000]))
-            if target is OpState.QUEUED and self._owns_queue:
-                await conn.execute(sql.INSERT_MESSAGE,
-                                   (operation_id, op.run_id, op.recipient_id, now, now))
+            if target is OpState.QUEUED:
+                await conn.execute(sql.REOPEN_RUN, (op.run_id,))
+                if self._owns_queue:
+                    await conn.execute(sql.INSERT_MESSAGE,
+                                       (operation_id, op.run_id, op.recipient_id, now, now))
             return op
 
         await self.db.write(write)

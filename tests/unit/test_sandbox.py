@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import re
 import signal
@@ -22,21 +21,16 @@ import aiohttp
 import orjson
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# Until the project is installed into the venv (pip install -e .), plain `pytest`
-# only puts tests/unit on sys.path; make the source tree importable as the root would.
-if importlib.util.find_spec("supervisor") is None:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from supervisor.sandbox import (  # noqa: E402
+from supervisor.sandbox import (
     RunningSandbox,
     SandboxConfig,
     SandboxState,
     run_sandbox,
 )
-from supervisor.sandbox.__main__ import main as cli_main  # noqa: E402
-from supervisor.sandbox.limits import FixedWindow, TokenBucket  # noqa: E402
+from supervisor.sandbox.__main__ import main as cli_main
+from supervisor.sandbox.limits import FixedWindow, TokenBucket
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 VALID_ID = re.compile(r"r-\d{6}")
 
 
@@ -488,7 +482,6 @@ async def test_cli_prints_one_json_line_and_exits_zero_on_sigterm() -> None:
     env = {
         **os.environ,
         "SANDBOX_TOKEN": "cli-token",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
     }
     proc = await asyncio.create_subprocess_exec(
         sys.executable,

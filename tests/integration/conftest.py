@@ -1,0 +1,67 @@
+"""Shared fixtures: a real SQLite ledger file in tmp_path and the embedded queue on it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from supervisor.ledger.database import Database
+from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.queue.sqlite import SqliteQueue
+
+
+@pytest.fixture
+async def db(tmp_path: Path) -> AsyncIterator[Database]:
+    database = Database(tmp_path / "data" / "cleanup.sqlite3")
+    await database.open()
+    try:
+        yield database
+    finally:
+        await database.close()
+
+
+@pytest.fixture
+def ledger(db: Database) -> SqliteLedger:
+    return SqliteLedger(db, owns_queue=True)
+
+
+@pytest.fixture
+def queue(db: Database) -> SqliteQueue:
+    return SqliteQueue(db)
+
+
+@asynccontextmanager
+async def writer_held(db: Database) -> AsyncIterator[Callable[[], Awaitable[int]]]:
+    """Hold the ledger's writer inside a batch, so writes queued meanwhile share the next
+    group commit. ``release()`` lets the held batch commit and returns the commit count."""
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    async def hold(conn: object) -> None:
+        entered.set()
+        await gate.wait()
+
+    blocker = asyncio.create_task(db.write(hold))
+    await entered.wait()
+
+    async def release() -> int:
+        gate.set()
+        await blocker
+        return db.commits
+
+    try:
+        yield release
+    finally:
+        gate.set()
+        await blocker
+
+
+HoldWriter = Callable[[], AbstractAsyncContextManager[Callable[[], Awaitable[int]]]]
+
+
+@pytest.fixture
+def hold_writer(db: Database) -> HoldWriter:
+    return lambda: writer_held(db)

@@ -1,0 +1,79 @@
+"""Build the real HTTP app around a real SQLite ledger, wired as supervisor/service.py does."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from supervisor import config as config_module
+from supervisor.config import Config
+from supervisor.http import ApiState, create_app
+from supervisor.ledger.database import Database
+from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.limiter import AdaptiveLimiter
+from supervisor.partner import PartnerClient
+from supervisor.queue.sqlite import SqliteQueue
+from supervisor.reconcile import Reconciler
+from supervisor.runs import RunOpener
+
+TOKEN = "trigger-token-for-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@dataclass
+class Api:
+    client: TestClient[object, object]
+    state: ApiState
+    ledger: SqliteLedger
+    queue: SqliteQueue
+    db: Database
+    scan_wakeup: asyncio.Event
+
+    async def counts(self) -> tuple[int, int, int]:
+        """Rows in runs, operations, messages: to prove a rejected request wrote nothing."""
+        out = []
+        for table in ("runs", "operations", "messages"):
+            row = await self.db.read_one(f"SELECT COUNT(*) FROM {table}")
+            assert row is not None
+            out.append(int(row[0]))
+        return out[0], out[1], out[2]
+
+    async def notify_runs_changed(self) -> None:
+        """What the monitor does after each pass."""
+        async with self.state.runs_changed:
+            self.state.runs_changed.notify_all()
+
+
+def load_config(tmp_path: Path, **env: str) -> Config:
+    environ = {"CLEANUP_TRIGGER_TOKEN": TOKEN, "CLEANUP__SERVICE__DATA_DIR": str(tmp_path)}
+    environ.update({f"CLEANUP__{k.upper()}": v for k, v in env.items()})
+    return config_module.load(None, environ=environ)
+
+
+@asynccontextmanager
+async def running_api(cfg: Config) -> AsyncIterator[Api]:
+    db = Database(cfg.ledger_path)
+    await db.open()
+    queue = SqliteQueue(db)
+    ledger = SqliteLedger(db, owns_queue=True)
+    limiter = AdaptiveLimiter(cfg.limits)
+    partner = PartnerClient(cfg.partner, cfg.limits.concurrency)
+    scan_wakeup = asyncio.Event()
+    opener = RunOpener(cfg, ledger, scan_wakeup)
+    reconciler = Reconciler(cfg.partner, ledger, queue, limiter, partner)
+    state = ApiState(config=cfg, ledger=ledger, opener=opener, reconciler=reconciler,
+                     ready=lambda: (True, {"ledger": True}), runs_changed=asyncio.Condition(),
+                     current_rate=lambda: limiter.rate)
+    client: TestClient[object, object] = TestClient(TestServer(create_app(state),
+                                                               host="127.0.0.1", port=0))
+    await client.start_server()
+    try:
+        yield Api(client, state, ledger, queue, db, scan_wakeup)
+    finally:
+        await client.close()
+        await db.close()

@@ -1,0 +1,365 @@
+"""Configuration: defaults, one-pass validation naming every key, env overrides, secrets."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from supervisor import config
+from supervisor.config import Config, Secret
+from supervisor.errors import EXIT_USAGE, ConfigError
+
+TOKEN_ENV = {"CLEANUP_TRIGGER_TOKEN": "trigger-secret"}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def problems_of(path: Path | None, environ: dict[str, str]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        config.load(path, environ=environ)
+    assert info.value.exit_code == EXIT_USAGE
+    return info.value.problems
+
+
+# -- defaults ------------------------------------------------------------------------
+
+
+def test_defaults_load_without_a_file() -> None:
+    cfg = config.load(None, environ=TOKEN_ENV)
+    assert cfg == dataclasses.replace(Config(), trigger=cfg.trigger)
+    assert cfg.limits.rate_per_second == 20.0
+    assert cfg.limits.burst == 1.0
+    assert cfg.service.host == "127.0.0.1"
+    assert cfg.service.port == 8080
+    assert cfg.ledger_path == Path("./var") / "cleanup.sqlite3"
+    assert cfg.trigger.token == Secret("trigger-secret")
+    assert cfg.partner.token is None  # optional: some partners need none
+
+
+def test_the_shipped_default_file_loads() -> None:
+    cfg = config.load(REPO_ROOT / "config" / "default.toml", environ=TOKEN_ENV)
+    assert cfg.source.kind == "http"
+    assert cfg.limits.rate_per_second == 100.0
+
+
+def test_an_empty_file_is_all_defaults(tmp_path: Path) -> None:
+    assert config.load(write(tmp_path, ""), environ=TOKEN_ENV) == config.load(None, TOKEN_ENV)
+
+
+def test_integers_are_accepted_for_float_keys(tmp_path: Path) -> None:
+    cfg = config.load(write(tmp_path, "[limits]\nrate_per_second = 7\n"), environ=TOKEN_ENV)
+    assert cfg.limits.rate_per_second == 7.0
+    assert isinstance(cfg.limits.rate_per_second, float)
+
+
+def test_config_is_frozen() -> None:
+    cfg = config.load(None, environ=TOKEN_ENV)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.limits.rate_per_second = 1.0  # type: ignore[misc]
+
+
+# -- every problem at once, each with its key -----------------------------------------------
+
+
+def test_every_problem_is_reported_at_once_with_its_key(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+[service]
+listen = "nowhere"
+shutdown_grace_seconds = 0
+
+[schedule]
+cron = "not a cron"
+timezone = "Mars/Olympus"
+overlap = "sometimes"
+
+[limits]
+rate_per_second = -1
+concurrency = "eight"
+colour = "blue"
+
+[partner]
+base_url = "ftp://partner"
+delete_path = "/recipients"
+idempotency_keys = "yes"
+
+[queue]
+lease_seconds = 0
+
+[bogus]
+x = 1
+""")
+    problems = problems_of(path, {})
+    text = "\n".join(problems)
+    expected = [
+        "service.listen must be HOST:PORT, got 'nowhere'",
+        "service.shutdown_grace_seconds must be > 0, got 0",
+        "schedule.cron is not a valid cron expression, got 'not a cron'",
+        "schedule.overlap must be one of 'skip', 'allow', got 'sometimes'",
+        "limits.concurrency must be an integer, got 'eight'",
+        "limits.colour is not a known key",
+        "partner.idempotency_keys must be true or false, got 'yes'",
+        "queue.lease_seconds must be > 0, got 0.0",
+        "unknown section [bogus]",
+        "trigger.token_env: $CLEANUP_TRIGGER_TOKEN",
+    ]
+    for fragment in expected:
+        assert fragment in text, fragment
+    # Value problems of a section are reported even when another key in it is mistyped
+    # (the operator fixes everything in one edit, not one problem per restart).
+    assert "limits.rate_per_second must be > 0, got -1" in text
+
+
+def test_value_problems_of_a_well_typed_section(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+[schedule]
+cron = "61 * * * *"
+timezone = "Mars/Olympus"
+
+[limits]
+rate_per_second = -1
+decrease_factor = 1.5
+floor_per_second = 0
+
+[partner]
+base_url = "ftp://partner"
+delete_path = "/recipients"
+probe_path = "/probe"
+""")
+    text = "\n".join(problems_of(path, TOKEN_ENV))
+    for fragment in [
+        "schedule.cron is not a valid cron expression, got '61 * * * *'",
+        "schedule.timezone is not a known time zone, got 'Mars/Olympus'",
+        "limits.rate_per_second must be > 0, got -1.0",
+        "limits.decrease_factor must be > 0 and < 1, got 1.5",
+        "limits.floor_per_second must be > 0, got 0.0",
+        "partner.base_url must be an http(s) URL, got 'ftp://partner'",
+        "partner.delete_path must contain {recipient_id}, got '/recipients'",
+        "partner.probe_path must contain {recipient_id}, got '/probe'",
+    ]:
+        assert fragment in text, fragment
+
+
+@pytest.mark.parametrize(("toml", "fragment"), [
+    ('[limits]\nrate_per_second = "fast"', "limits.rate_per_second must be a number, got 'fast'"),
+    ("[limits]\nrate_per_second = true", "limits.rate_per_second must be a number, got True"),
+    ("[limits]\nconcurrency = 2.5", "limits.concurrency must be an integer, got 2.5"),
+    ("[limits]\nconcurrency = true", "limits.concurrency must be an integer, got True"),
+    ("[service]\nlisten = 8080", "service.listen must be a string, got 8080"),
+    ("[service]\ndata_dir = 3", "service.data_dir must be a path string, got 3"),
+    ('[service]\nlog_level = "loud"', "service.log_level must be one of"),
+    ("[partner]\nidempotency_keys = 1", "partner.idempotency_keys must be true or false, got 1"),
+    ("limits = 3", "limits must be a table ([limits]), got int"),
+    ("[nope]", "unknown section [nope]"),
+    ("[limits]\nrate = 3", "limits.rate is not a known key"),
+    ('[source]\nkind = "file"', "source.path is required when source.kind = 'file'"),
+    ('[source]\nkind = "http"', "source.url is required when source.kind = 'http'"),
+    ('[source]\nkind = "http"\nurl = "file:///etc/passwd"', "source.url must be an http(s) URL"),
+    ("[source]\nmax_page_retries = -1", "source.max_page_retries must be >= 0, got -1"),
+    # aiolimiter refuses to acquire one token from a bucket that cannot hold one.
+    ("[limits]\nburst = 0.5", "limits.burst must be >= 1, got 0.5"),
+    ("[limits]\nburst = 0", "limits.burst must be >= 1, got 0.0"),
+    ("[limits]\nrate_per_second = 1\nfloor_per_second = 2",
+     "limits.floor_per_second must be <= limits.rate_per_second, got 2.0 > 1.0"),
+])
+def test_single_problem(tmp_path: Path, toml: str, fragment: str) -> None:
+    problems = problems_of(write(tmp_path, toml + "\n"), TOKEN_ENV)
+    assert any(fragment in p for p in problems), problems
+
+
+@pytest.mark.parametrize("listen", ["nowhere", ":8080", "host:", "host:http", "host:70000",
+                                    "host:-1"])
+def test_bad_listen(tmp_path: Path, listen: str) -> None:
+    problems = problems_of(write(tmp_path, f'[service]\nlisten = "{listen}"\n'), TOKEN_ENV)
+    assert problems == [f"service.listen must be HOST:PORT, got {listen!r}"]
+
+
+@pytest.mark.parametrize(("listen", "host", "port"), [
+    ("0.0.0.0:0", "0.0.0.0", 0), ("[::1]:9000", "::1", 9000), ("localhost:65535", "localhost", 65535),
+])
+def test_good_listen(tmp_path: Path, listen: str, host: str, port: int) -> None:
+    cfg = config.load(write(tmp_path, f'[service]\nlisten = "{listen}"\n'), environ=TOKEN_ENV)
+    assert (cfg.service.host, cfg.service.port) == (host, port)
+
+
+def test_a_missing_file_is_one_clear_problem(tmp_path: Path) -> None:
+    problems = problems_of(tmp_path / "absent.toml", TOKEN_ENV)
+    assert problems == [f"config file {tmp_path / 'absent.toml'} does not exist"]
+
+
+def test_invalid_toml_is_one_clear_problem(tmp_path: Path) -> None:
+    problems = problems_of(write(tmp_path, "[limits\n"), TOKEN_ENV)
+    assert len(problems) == 1
+    assert "is not valid TOML" in problems[0]
+
+
+# -- environment overrides --------------------------------------------------------------
+
+
+def test_env_overrides_file_values(tmp_path: Path) -> None:
+    path = write(tmp_path, "[limits]\nrate_per_second = 10\nconcurrency = 2\n")
+    cfg = config.load(path, environ={**TOKEN_ENV,
+                                     "CLEANUP__LIMITS__RATE_PER_SECOND": "50",
+                                     "CLEANUP__SERVICE__LISTEN": "0.0.0.0:9090",
+                                     "CLEANUP__PARTNER__IDEMPOTENCY_KEYS": "false",
+                                     "CLEANUP__SERVICE__DATA_DIR": "/srv/cleanup"})
+    assert cfg.limits.rate_per_second == 50.0
+    assert cfg.limits.concurrency == 2  # untouched file value
+    assert cfg.service.listen == "0.0.0.0:9090"
+    assert cfg.partner.idempotency_keys is False
+    assert cfg.service.data_dir == Path("/srv/cleanup")
+
+
+def test_env_override_values_are_validated_with_their_key() -> None:
+    problems = problems_of(None, {**TOKEN_ENV, "CLEANUP__LIMITS__RATE_PER_SECOND": "-1",
+                                  "CLEANUP__LIMITS__CONCURRENCY": "many"})
+    assert "limits.rate_per_second must be > 0, got -1" in "\n".join(problems)
+    assert "limits.concurrency must be an integer, got 'many'" in "\n".join(problems)
+
+
+@pytest.mark.parametrize(("var", "fragment"), [
+    ("CLEANUP__LIMITS", "must look like CLEANUP__SECTION__KEY"),
+    ("CLEANUP__LIMITS__RATE__X", "must look like CLEANUP__SECTION__KEY"),
+    ("CLEANUP____RATE", "must look like CLEANUP__SECTION__KEY"),
+    ("CLEANUP__NOPE__X", "unknown section [nope]"),
+    ("CLEANUP__LIMITS__NOPE", "limits.nope is not a known key"),
+    ("CLEANUP__TRIGGER__TOKEN", "secrets are set through *token_env"),
+])
+def test_bad_env_overrides(var: str, fragment: str) -> None:
+    problems = problems_of(None, {**TOKEN_ENV, var: "1"})
+    assert any(fragment in p for p in problems), problems
+
+
+def test_unrelated_env_is_ignored() -> None:
+    cfg = config.load(None, environ={**TOKEN_ENV, "CLEANUPX": "1", "PATH": "/bin",
+                                     "cleanup__limits__rate_per_second": "3"})
+    assert cfg.limits.rate_per_second == 20.0
+
+
+# -- secrets -------------------------------------------------------------------------------
+
+
+def test_secret_from_env_named_by_token_env(tmp_path: Path) -> None:
+    path = write(tmp_path, '[partner]\ntoken_env = "MY_PARTNER"\n')
+    cfg = config.load(path, environ={**TOKEN_ENV, "MY_PARTNER": "  p-token \n"})
+    assert cfg.partner.token is not None
+    assert cfg.partner.token.reveal() == "p-token"
+
+
+def test_secret_from_file(tmp_path: Path) -> None:
+    secret_file = tmp_path / "token"
+    secret_file.write_text("from-file\n", encoding="utf-8")
+    cfg = config.load(None, environ={"CLEANUP_TRIGGER_TOKEN_FILE": str(secret_file)})
+    assert cfg.trigger.token is not None
+    assert cfg.trigger.token.reveal() == "from-file"
+
+
+def test_env_wins_over_file_for_a_secret(tmp_path: Path) -> None:
+    secret_file = tmp_path / "token"
+    secret_file.write_text("from-file", encoding="utf-8")
+    cfg = config.load(None, environ={"CLEANUP_TRIGGER_TOKEN": "from-env",
+                                     "CLEANUP_TRIGGER_TOKEN_FILE": str(secret_file)})
+    assert cfg.trigger.token == Secret("from-env")
+
+
+def test_unreadable_or_empty_secret_file_is_a_problem(tmp_path: Path) -> None:
+    problems = problems_of(None, {"CLEANUP_TRIGGER_TOKEN_FILE": str(tmp_path / "missing")})
+    assert problems
+    assert problems[0].startswith(
+        "trigger.token_env: $CLEANUP_TRIGGER_TOKEN_FILE cannot be read")
+    empty = tmp_path / "empty"
+    empty.write_text("\n", encoding="utf-8")
+    assert problems_of(None, {"CLEANUP_TRIGGER_TOKEN_FILE": str(empty)}) == [
+        "trigger.token_env: $CLEANUP_TRIGGER_TOKEN_FILE is empty"]
+    assert problems_of(None, {"CLEANUP_TRIGGER_TOKEN": "  "}) == [
+        "trigger.token_env: $CLEANUP_TRIGGER_TOKEN is empty"]
+
+
+@pytest.mark.parametrize("section", ["trigger", "partner", "source"])
+def test_a_token_key_in_the_file_is_rejected(tmp_path: Path, section: str) -> None:
+    problems = problems_of(write(tmp_path, f'[{section}]\ntoken = "in-the-file"\n'), TOKEN_ENV)
+    assert any(p.startswith(f"{section}.token is not a known key (secrets come from the "
+                            "environment") for p in problems), problems
+    assert not any("in-the-file" in p for p in problems)
+
+
+def test_missing_trigger_token_is_a_problem() -> None:
+    problems = problems_of(None, {})
+    assert len(problems) == 1
+    assert problems[0].startswith("trigger.token_env: $CLEANUP_TRIGGER_TOKEN (or "
+                                  "$CLEANUP_TRIGGER_TOKEN_FILE) is not set")
+
+
+def test_trigger_token_env_can_be_renamed(tmp_path: Path) -> None:
+    path = write(tmp_path, '[trigger]\ntoken_env = "CRON_TOKEN"\n')
+    assert problems_of(path, TOKEN_ENV)[0].startswith("trigger.token_env: $CRON_TOKEN")
+    cfg = config.load(path, environ={"CRON_TOKEN": "c"})
+    assert cfg.trigger.token == Secret("c")
+
+
+def test_secret_never_shows_its_value() -> None:
+    secret = Secret("hunter2")
+    assert "hunter2" not in repr(secret)
+    assert "hunter2" not in str(secret)
+    assert "hunter2" not in f"{secret}"
+    assert secret.reveal() == "hunter2"
+    assert secret == Secret("hunter2")
+    assert secret != Secret("other")
+    assert secret != "hunter2"
+    cfg = config.load(None, environ={"CLEANUP_TRIGGER_TOKEN": "hunter2",
+                                     "CUSTOMER_API_TOKEN": "hunter3"})
+    assert "hunter2" not in repr(cfg)
+    assert "hunter3" not in repr(cfg)
+
+
+def test_problems_never_contain_a_secret(tmp_path: Path) -> None:
+    path = write(tmp_path, '[limits]\nrate_per_second = -1\n')
+    problems = problems_of(path, {"CLEANUP_TRIGGER_TOKEN": "hunter2"})
+    assert not any("hunter2" in p for p in problems)
+    with pytest.raises(ConfigError) as info:
+        config.load(path, environ={"CLEANUP_TRIGGER_TOKEN": "hunter2"})
+    assert "hunter2" not in str(info.value)
+
+
+def test_a_check_naming_a_mistyped_key_is_not_reported_against_its_default(tmp_path: Path) -> None:
+    # rate_per_second is mistyped: judging floor_per_second against the default rate
+    # would blame the wrong number.
+    path = write(tmp_path, '[limits]\nrate_per_second = "x"\nfloor_per_second = 30\n'
+                           "concurrency = 0\n")
+    assert problems_of(path, TOKEN_ENV) == [
+        "limits.rate_per_second must be a number, got 'x'",
+        "limits.concurrency must be > 0, got 0",
+    ]
+
+
+def test_digest_cutoff_must_be_positive(tmp_path: Path) -> None:
+    path = write(tmp_path, "[schedule]\ndigest_cutoff_seconds = 0\n")
+    assert problems_of(path, TOKEN_ENV) == ["schedule.digest_cutoff_seconds must be > 0, got 0.0"]
+    ok = config.load(write(tmp_path, "[schedule]\ndigest_cutoff_seconds = 3600\n"), TOKEN_ENV)
+    assert ok.schedule.digest_cutoff_seconds == 3600.0
+
+
+def test_env_text_for_a_text_key_is_taken_as_text() -> None:
+    """An environment variable is text: a schedule named 2024 is a name, not a number."""
+    cfg = config.load(None, environ={**TOKEN_ENV,
+                                     "CLEANUP__SCHEDULE__NAME": "2024",
+                                     "CLEANUP__SOURCE__ID_FIELD": "nan",
+                                     "CLEANUP__SOURCE__ITEMS_FIELD": "1979-05-27",
+                                     "CLEANUP__SERVICE__DATA_DIR": "42",
+                                     "CLEANUP__SOURCE__NEXT_CURSOR_FIELD": '"quoted"'})
+    assert cfg.schedule.name == "2024"
+    assert cfg.source.id_field == "nan"
+    assert cfg.source.items_field == "1979-05-27"
+    assert cfg.service.data_dir == Path("42")
+    assert cfg.source.next_cursor_field == "quoted"  # a TOML string still works
+    # Typed keys still parse their text.
+    typed = config.load(None, environ={**TOKEN_ENV, "CLEANUP__LIMITS__CONCURRENCY": "3",
+                                       "CLEANUP__SCHEDULE__DIGEST_CUTOFF_SECONDS": "60"})
+    assert typed.limits.concurrency == 3
+    assert typed.schedule.digest_cutoff_seconds == 60.0

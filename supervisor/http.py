@@ -259,6 +259,8 @@ async def get_run(request: web.Request) -> web.Response:
         # Long-poll: woken by the monitor whenever runs change, not by a sleep loop.
         deadline = time.monotonic() + timeout
         async with api.runs_changed:
+            # Read under the lock: the monitor cannot notify between the read and the wait.
+            run = await api.ledger.get_run(run_id)
             while run is not None and not _done(run):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

@@ -27,8 +27,10 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# Not part of `test`: about 12 minutes; needs Redis on 127.0.0.1:6379 for the Celery peer.
 bench: $(STAMP)
-	$(BIN)/python bench/run.py
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache .hypothesis

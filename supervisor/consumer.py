@@ -90,6 +90,10 @@ class ConsumerPool:
                 cut += 1
             if late:
                 await asyncio.wait(late)
+        # A claim the fetcher had in progress is handed back by the fetcher itself: let it
+        # finish, or the caller's cancellation of run() would cut that hand-back short.
+        if self._fetcher is not None:
+            await asyncio.wait([self._fetcher])
         # Received but never picked up by a worker: hand back at once.
         while not self._inbox.empty():
             await asyncio.shield(self.queue.nack(self._inbox.get_nowait(), 0.0))
@@ -109,7 +113,9 @@ class ConsumerPool:
                 continue
             try:
                 deliveries = await self._receive(min(wanted, batch), lease_s)
-            except StorageError:
+            except StorageError as exc:
+                # The ledger reports a failed commit once; each failed claim only at DEBUG.
+                log.debug("could not claim messages: %s", exc)
                 await self._backoff_storage()
                 continue
             if not deliveries:
@@ -172,9 +178,12 @@ class ConsumerPool:
                 await asyncio.shield(self.queue.nack(delivery, 0.0))
                 raise
             except StorageError as exc:
-                # Nothing was acked: the lease expires and the message comes back.
-                log.warning("could not record operation %s: %s",
-                            delivery.message.operation_id, exc)
+                # Nothing was acked: the lease expires and the message comes back. A
+                # failed commit was reported once by the ledger ("ledger cannot commit"),
+                # not once per write: only a fault the ledger has not reported is a warning.
+                log.log(logging.WARNING if self.ledger.healthy else logging.DEBUG,
+                        "could not record operation %s: %s",
+                        delivery.message.operation_id, exc)
                 await self._backoff_storage()
             finally:
                 self._held.pop(delivery.message.operation_id, None)

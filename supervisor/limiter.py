@@ -113,6 +113,9 @@ class AdaptiveLimiter:
                 and rate_per_second != self.announced:
             self.announced = rate_per_second
             if self.rate > self.effective_ceiling:
+                # A cut like a 429's: a 429 for a request granted before it (the same
+                # answer may carry both) was sent at the old rate and must not cut again.
+                self._last_cut = self._last_raise = time.monotonic()
                 self._set_rate(self.effective_ceiling)
             elif self.throttles == 0:
                 # No 429 has taught us a lower rate: trust the announcement outright.

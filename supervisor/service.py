@@ -37,6 +37,8 @@ from supervisor.schedule import Scheduler
 log = logging.getLogger(__name__)
 
 Factory = Callable[[], Coroutine[Any, Any, None]]
+# A storage fault counts as cleared once commits succeed this long after the last failure.
+LEDGER_RECOVER_AFTER_S = 2.0
 
 
 class DataDirLock:
@@ -94,7 +96,7 @@ class Service:
         c = self.config
         lock = DataDirLock(c.service.data_dir)
         lock.acquire()
-        db = Database(c.ledger_path)
+        db = Database(c.ledger_path, recover_after_s=LEDGER_RECOVER_AFTER_S)
         try:
             await db.open()
         except BaseException:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,8 +34,13 @@ MAX_BATCH = 512
 class Database:
     """Owns the SQLite connections. ``open()`` connects and starts the writer task."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, recover_after_s: float = 0.0) -> None:
         self.path = path
+        # After a failed commit the ledger counts as healthy again only at a commit this
+        # long after the last failure: a nearly full disk lets small commits through
+        # between failing ones, and readiness (and the one log line) must not flap.
+        self.recover_after_s = recover_after_s
+        self._failed_at = 0.0
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
         self._pending: asyncio.Queue[tuple[Write, asyncio.Future[Any]]] = asyncio.Queue()
@@ -151,7 +157,7 @@ class Database:
                     fut.set_exception(error)
             return
         self.commits += 1
-        if not self.healthy:
+        if not self.healthy and time.monotonic() - self._failed_at >= self.recover_after_s:
             log.warning("ledger writable again", extra={"action": "ledger_recovered"})
             self.healthy = True
             self.last_error = None
@@ -164,6 +170,7 @@ class Database:
                 fut.set_exception(value)
 
     def _mark_unhealthy(self, exc: Exception) -> None:
+        self._failed_at = time.monotonic()
         if self.healthy:
             # One clear line per fault, not one per failed write.
             log.error("ledger cannot commit: %s (%s); operations stay unacked until it can",

@@ -219,6 +219,10 @@ class SqliteLedger:
                 if s.attempt_id is not None:
                     await conn.execute(sql.FINISH_ATTEMPT, (now, s.status, s.outcome,
                                                             s.detail, s.attempt_id))
+                elif s.target is OpState.AMBIGUOUS:
+                    # Held because an earlier attempt has no outcome (its process died):
+                    # that outcome is unknown for good, not "still in the air".
+                    await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, (now, s.operation_id))
                 if self._owns_queue and s.delivery is not None:
                     token = s.delivery.lease_token
                     if s.disposition is Disposition.ACK:

@@ -24,3 +24,5 @@ def configure(level: str, stream: object = None) -> None:
     root.setLevel(level.upper())
     # aiohttp's access log would be one INFO line per request on the hot path.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # aiosqlite logs every statement with its parameters at DEBUG: noise, not diagnosis.
+    logging.getLogger("aiosqlite").setLevel(max(logging.INFO, root.level))

@@ -205,10 +205,12 @@ class ServiceProcess:
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.lines[-n:])
 
-    async def wait_for_line(self, pattern: str, within_s: float = STARTUP_TIMEOUT_S) -> str:
-        """The first stderr line matching ``pattern``; fails if the process ends first."""
+    async def wait_for_line(self, pattern: str, within_s: float = STARTUP_TIMEOUT_S,
+                            after: int = 0) -> str:
+        """The first stderr line matching ``pattern`` (at index ``after`` or later); fails
+        if the process ends first."""
         regex = re.compile(pattern)
-        seen = 0
+        seen = after
         try:
             async with asyncio.timeout(within_s):
                 while True:

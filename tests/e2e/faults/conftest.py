@@ -183,23 +183,7 @@ class FaultProcess(ServiceProcess):
 
     async def wait_for_new_line(self, pattern: str, after: int, within_s: float) -> str:
         """The first stderr line matching ``pattern`` at index ``after`` or later."""
-        regex = re.compile(pattern)
-        seen = after
-        try:
-            async with asyncio.timeout(within_s):
-                while True:
-                    for line in self.lines[seen:]:
-                        if regex.search(line):
-                            return line
-                    seen = len(self.lines)
-                    if self._eof:
-                        break
-                    await self._changed.wait()
-        except TimeoutError:
-            raise AssertionError(f"no log line /{pattern}/ within {within_s}s:\n{self.tail()}"
-                                 ) from None
-        raise AssertionError(f"service exited ({self.proc.returncode}) before logging "
-                             f"/{pattern}/:\n{self.tail()}")
+        return await self.wait_for_line(pattern, within_s, after=after)
 
     async def close(self) -> None:
         await super().close()

@@ -318,6 +318,10 @@ class ConsumerPool:
                 await self.queue.ack([s.delivery])
             else:
                 await self.queue.nack(s.delivery, s.delay_s)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("operation %s -> %s (%s)", op.id, target.value,
+                      answer.detail if answer else reason,
+                      extra={"operation_id": op.id, "run_id": op.run_id, "action": "settle"})
         if target in SETTLED:
             metrics.OPERATIONS.labels(target.value).inc()
             self.settled += 1

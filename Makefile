@@ -27,7 +27,7 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
-# Not part of `test`: about 12 minutes; needs Redis on 127.0.0.1:6379 for the Celery peer.
+# Not part of `test`: about 12 minutes; the Celery peer needs Redis on 127.0.0.1:6379.
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/run.py $(BENCH_ARGS)

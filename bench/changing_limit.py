@@ -1,0 +1,11 @@
+"""Benchmark: changing-limit (see scenarios.py).
+
+Usage: python bench/changing_limit.py [--tools service,cron,celery] [--set section.key=value]
+"""
+
+import sys
+
+from scenarios import main
+
+if __name__ == "__main__":
+    sys.exit(main(["changing-limit"]))

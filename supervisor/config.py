@@ -219,14 +219,22 @@ class LimitsConfig:
     concurrency: int = 8
     # Tokens the bucket may hold; small by default because a bucket as large as the rate
     # lets about twice the limit through in one window (aiolimiter#298).
-    burst: float = 1.0
-    decrease_factor: float = 0.5
-    increase_per_second: float = 1.0
+    burst: float = 2.0
+    # On a 429: x this, of the success rate measured over the last two seconds.
+    decrease_factor: float = 0.8
+    # After a cut, the rate is back just below the throttled rate after this long, then
+    # probes above it; a partner with a per-minute window wants about 60.
+    recovery_seconds: float = 8.0
+    # The least the rate climbs per second after a cut, however flat the curve.
+    increase_per_second: float = 2.0
     floor_per_second: float = 0.5
+    # A Retry-After this long or longer is a pause the partner imposes, not a rate signal.
+    long_pause_seconds: float = 2.0
 
     def problems(self) -> list[str]:
         out = _positive("limits", self, "rate_per_second", "concurrency",
-                        "increase_per_second", "floor_per_second")
+                        "increase_per_second", "floor_per_second", "recovery_seconds",
+                        "long_pause_seconds")
         # Every acquisition takes one whole token: a bucket that can never hold one would
         # make aiolimiter refuse every acquire (ValueError), crashing every worker.
         if not self.burst >= 1:

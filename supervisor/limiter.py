@@ -1,15 +1,22 @@
 """One adaptive rate limit shared by every worker, around ``aiolimiter.AsyncLimiter``.
 
-Policy (AIMD, measured against the partner's own answers):
+Policy (CUBIC, as AWS's SDK adaptive mode and TCP use it, measured against the partner):
 
-* never above the configured ceiling (the partner's documented limit);
-* on a 429: rate x ``decrease_factor`` (0.5 by default), once per throttle episode: 429s
-  for requests that left before the cut do not cut again;
-* while healthy: + ``increase_per_second`` tokens/s every second, back up to the ceiling;
+* never above the configured ceiling (the partner's documented limit), nor above what the
+  partner announces in IETF ``RateLimit-Policy`` headers;
+* on a 429: the rate drops to ``decrease_factor`` (0.8) x the *measured* success rate of
+  the last two seconds (the partner's real limit shows there), once per throttle episode:
+  429s for requests granted before the cut do not cut again;
+* afterwards the rate follows ``W_max + C (t - K)^3``: it climbs back fast, flattens out
+  just below the rate that was throttled (reached after ``recovery_seconds`` = K), then
+  probes above it, slowly at first, faster the longer the partner agrees; at least
+  ``increase_per_second`` per second, so a limit that recovers is found again quickly;
 * never below ``floor_per_second``;
 * a ``Retry-After`` pauses *every* worker until then, and the bucket is emptied when the
   pause ends so the waiters do not burst the moment it reopens. The server's wait is not
-  jittered: it told us exactly when.
+  jittered: it told us exactly when. A ``Retry-After`` of ``long_pause_seconds`` or more
+  is a pause the partner imposes (maintenance, a quota window), not a sign the rate was too
+  high: everyone waits, the rate is kept.
 
 aiolimiter cannot change its rate at runtime (aiolimiter#98), so :func:`_retune` sets the
 bucket's rate in place and re-arms its timer; waiters already queued then drain at the new
@@ -19,12 +26,20 @@ rate. tests/unit/test_limiter.py guards this against aiolimiter's internals chan
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 
 from aiolimiter import AsyncLimiter
 
 from supervisor.config import LimitsConfig
+
+# The partner's real limit is read off our successes over this window.
+MEASURE_S = 2.0
+MIN_MEASURE_S = 0.2
+MIN_MEASURE_SAMPLES = 10
+RAISE_EVERY_S = 0.05
+PLATEAU = 0.95
 
 
 def _retune(bucket: AsyncLimiter, rate: float, burst: float) -> None:
@@ -49,7 +64,15 @@ class AdaptiveLimiter:
         self.burst = limits.burst
         self.decrease_factor = limits.decrease_factor
         self.increase_per_second = limits.increase_per_second
+        self.recovery_s = limits.recovery_seconds
+        self.long_pause_s = limits.long_pause_seconds
         self.rate = self.ceiling
+        # CUBIC state: the rate that was throttled, the rate cut to, and the curve's scale.
+        self._w_max = self.ceiling
+        self._cut_to = self.ceiling
+        self._cubic_c = 0.0
+        self._successes: collections.deque[float] = collections.deque()
+        self._pauses: collections.deque[tuple[float, float]] = collections.deque(maxlen=16)
         self._bucket: AsyncLimiter | None = None
         self._paused_until = 0.0  # wall clock, for the metric and the ledger
         self._pause_changed: asyncio.Event | None = None
@@ -126,26 +149,54 @@ class AdaptiveLimiter:
         if self.announced is None and exhausted_for_s is not None and exhausted_for_s > 0:
             self.pause(exhausted_for_s)
 
+    def measured_rate(self, now: float | None = None) -> float | None:
+        """Successes per second over the last ``MEASURE_S``, not counting time paused by a
+        Retry-After (nothing can succeed then); None while that leaves under a second."""
+        now = time.monotonic() if now is None else now
+        window = self._successes
+        while window and window[0] < now - MEASURE_S:
+            window.popleft()
+        if not window:
+            return None
+        start = window[0]
+        paused = sum(max(0.0, min(end, now) - max(begin, start))
+                     for begin, end in self._pauses if end > start)
+        active = now - start - paused
+        if active < MIN_MEASURE_S or len(window) < MIN_MEASURE_SAMPLES:
+            return None
+        return len(window) / active
+
     def on_success(self) -> None:
-        """A healthy answer: climb back towards the ceiling, additively, once per second."""
-        if self.rate >= self.effective_ceiling:
-            return
+        """A healthy answer: follow the recovery curve back up (at most every 50 ms)."""
         now = time.monotonic()
-        elapsed = now - self._last_raise
-        if elapsed < 1.0:
+        self._successes.append(now)
+        if self.rate >= self.effective_ceiling or now - self._last_raise < RAISE_EVERY_S:
             return
         self._last_raise = now
-        self._set_rate(min(self.effective_ceiling,
-                           self.rate + self.increase_per_second * elapsed))
+        t = now - self._last_cut
+        cubic = self._w_max + self._cubic_c * (t - self.recovery_s) ** 3
+        additive = self._cut_to + self.increase_per_second * t
+        self._set_rate(min(self.effective_ceiling, max(self.rate, cubic, additive)))
 
     def on_throttle(self, sent_at: float, retry_after_s: float | None) -> None:
         """A 429: cut the rate once per episode and pause every worker for Retry-After."""
         self.throttles += 1
         now = time.monotonic()
-        if sent_at >= self._last_cut:
-            self._last_cut = now
-            self._last_raise = now
-            self._set_rate(max(self.floor, self.rate * self.decrease_factor))
+        imposed = retry_after_s is not None and retry_after_s >= self.long_pause_s
+        if sent_at >= self._last_cut and not imposed:
+            measured = self.measured_rate(now)
+            base = self.rate if measured is None else min(self.rate, measured)
+            if measured is None:
+                # Throttled again before anything could be measured: far too fast.
+                base *= self.decrease_factor
+            # The throttled rate overstates the limit by whatever the partner's own bucket
+            # let through: plateau a little below it.
+            self._w_max = base * PLATEAU
+            self._cut_to = max(self.floor, base * self.decrease_factor)
+            # The curve passes through the cut now and flattens at W_max after K seconds.
+            self._cubic_c = max(0.0, self._w_max - self._cut_to) / self.recovery_s ** 3
+            self._last_cut = self._last_raise = now
+            self._set_rate(self._cut_to)
         if retry_after_s is not None and retry_after_s > 0:
             self.pause(retry_after_s)
 
@@ -155,6 +206,8 @@ class AdaptiveLimiter:
             return
         self._paused_until = until
         self._pause_gen += 1
+        now = time.monotonic()
+        self._pauses.append((now, now + seconds))
         self._ensure()
         assert self._pause_changed is not None
         self._pause_changed.set()

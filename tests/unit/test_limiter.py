@@ -1,4 +1,4 @@
-"""The adaptive limiter: AIMD policy, the global Retry-After pause, and the in-place retune of
+"""The adaptive limiter: the CUBIC policy, the global Retry-After pause, and the in-place retune of
 aiolimiter's bucket (aiolimiter#98) for waiters already queued.
 
 Time: real but short durations with generous bounds, or counts of what completed; never a
@@ -18,17 +18,27 @@ from supervisor.limiter import AdaptiveLimiter, _fill, _retune
 
 def limiter(**overrides: float) -> AdaptiveLimiter:
     values: dict[str, float] = {"rate_per_second": 20.0, "burst": 1.0, "decrease_factor": 0.5,
-                                "increase_per_second": 1.0, "floor_per_second": 0.5}
+                                "increase_per_second": 1.0, "floor_per_second": 0.5,
+                                "recovery_seconds": 8.0, "long_pause_seconds": 2.0}
     values.update(overrides)
     return AdaptiveLimiter(LimitsConfig(**values))  # type: ignore[arg-type]
 
 
 def pretend_seconds_passed(lim: AdaptiveLimiter, seconds: float) -> None:
-    """Backdate the last raise instead of sleeping: the increase is per elapsed second."""
+    """Backdate the last cut and raise instead of sleeping: the curve is a function of the
+    time since the cut."""
+    lim._last_cut -= seconds
     lim._last_raise -= seconds
 
 
-# -- multiplicative decrease -------------------------------------------------------------
+def record_successes(lim: AdaptiveLimiter, per_second: float, seconds: float) -> None:
+    """Successes the limiter measured over the last ``seconds`` (backdated, not slept)."""
+    now = time.monotonic()
+    n = int(per_second * seconds)
+    lim._successes.extend(now - seconds + i / per_second for i in range(n))
+
+
+# -- the cut ---------------------------------------------------------------------------
 
 
 def test_starts_at_the_ceiling() -> None:
@@ -37,11 +47,22 @@ def test_starts_at_the_ceiling() -> None:
     assert lim.paused_until == 0.0
 
 
-def test_a_429_cuts_the_rate_by_the_decrease_factor() -> None:
+def test_a_429_cuts_to_the_decrease_factor_of_the_measured_rate() -> None:
+    lim = limiter(rate_per_second=20, decrease_factor=0.5)
+    record_successes(lim, per_second=12, seconds=1.5)
+    measured = lim.measured_rate()
+    assert measured is not None
+    assert 11.0 <= measured <= 13.0
+    lim.on_throttle(time.monotonic(), None)
+    assert abs(lim.rate - 0.5 * measured) < 0.1
+    assert lim.throttles == 1
+
+
+def test_a_429_before_anything_was_measured_cuts_twice_as_hard() -> None:
+    # Throttled before any measurement: the rate was far too high.
     lim = limiter(rate_per_second=20, decrease_factor=0.5)
     lim.on_throttle(time.monotonic(), None)
-    assert lim.rate == 10.0
-    assert lim.throttles == 1
+    assert lim.rate == 5.0
 
 
 def test_a_second_429_for_a_request_sent_before_the_cut_does_not_cut_again() -> None:
@@ -50,22 +71,22 @@ def test_a_second_429_for_a_request_sent_before_the_cut_does_not_cut_again() -> 
     sent_b = time.monotonic()
     lim.on_throttle(sent_a, None)
     lim.on_throttle(sent_b, None)  # in the air when the first 429 arrived: same episode
-    assert lim.rate == 10.0
+    assert lim.rate == 5.0
     assert lim.throttles == 2
     lim.on_throttle(time.monotonic(), None)  # sent after the cut: a new episode
-    assert lim.rate == 5.0
+    assert lim.rate == 1.25
 
 
 async def test_episode_uses_the_grant_time_from_acquire() -> None:
     lim = limiter(rate_per_second=1000, decrease_factor=0.5)
     before_cut = await lim.acquire()
     lim.on_throttle(before_cut, None)
-    assert lim.rate == 500.0
+    assert lim.rate == 250.0
     lim.on_throttle(before_cut, None)
-    assert lim.rate == 500.0
+    assert lim.rate == 250.0
     after_cut = await lim.acquire()
     lim.on_throttle(after_cut, None)
-    assert lim.rate == 250.0
+    assert lim.rate == 62.5
 
 
 def test_never_below_the_floor() -> None:
@@ -82,7 +103,29 @@ def test_floor_above_ceiling_is_clamped_to_the_ceiling() -> None:
     assert lim.rate == 2.0
 
 
-# -- additive increase ---------------------------------------------------------------------
+async def test_a_long_retry_after_pauses_without_cutting() -> None:
+    # A partner-imposed pause (maintenance, a quota window) says nothing about our rate.
+    lim = limiter(rate_per_second=20, long_pause_seconds=2.0)
+    lim.on_throttle(time.monotonic(), 3.0)
+    assert lim.rate == 20.0
+    assert lim.paused_until > time.time() + 2.0
+    lim.on_throttle(time.monotonic(), 1.0)  # a short one is a rate signal
+    assert lim.rate < 20.0
+
+
+async def test_paused_time_does_not_dilute_the_measured_rate() -> None:
+    lim = limiter(rate_per_second=100)
+    now = time.monotonic()
+    # 25 successes in half a second, then a one-second pause in which nothing can succeed.
+    lim._successes.extend(now - 1.5 + i * 0.02 for i in range(25))
+    lim.pause(1.0)
+    lim._pauses[-1] = (now - 1.0, now)
+    measured = lim.measured_rate(now)
+    assert measured is not None
+    assert 45.0 <= measured <= 55.0  # over the 0.5 s not paused, not over 1.5 s
+
+
+# -- recovery ----------------------------------------------------------------------------
 
 
 def test_success_at_the_ceiling_changes_nothing() -> None:
@@ -92,34 +135,46 @@ def test_success_at_the_ceiling_changes_nothing() -> None:
     assert lim.rate == 20.0
 
 
-def test_additive_increase_once_per_second_back_to_the_ceiling() -> None:
-    lim = limiter(rate_per_second=20, decrease_factor=0.5, increase_per_second=2)
-    lim.on_throttle(time.monotonic(), None)
-    assert lim.rate == 10.0
-    lim.on_success()  # less than a second since the cut: no change yet
-    assert lim.rate == 10.0
-    # The raise is increase_per_second x the seconds since the last one: the pretended
-    # seconds plus whatever real time the test itself took (generous bound for slow hosts).
-    pretend_seconds_passed(lim, 1.0)
+def test_recovery_follows_the_cubic_curve_back_and_probes_above() -> None:
+    lim = limiter(rate_per_second=100, decrease_factor=0.5, recovery_seconds=8,
+                  increase_per_second=0.1)
+    lim.on_throttle(time.monotonic(), None)  # unmeasured: 100 x 0.5 x 0.5 = 25
+    assert lim.rate == 25.0
+    plateau = lim._w_max  # just below the throttled rate (50)
+    assert 45.0 <= plateau < 50.0
+    lim.on_success()  # at the cut itself: no change
+    assert lim.rate == 25.0
+    pretend_seconds_passed(lim, 4.0)  # half way: most of the way back already (concave)
     lim.on_success()
-    assert 12.0 <= lim.rate <= 13.0
-    raised = lim.rate
-    lim.on_success()  # the same second again: no second raise
-    assert lim.rate == raised
-    pretend_seconds_passed(lim, 2.0)
+    assert plateau - (plateau - 25) / 8 - 0.5 <= lim.rate <= plateau
+    pretend_seconds_passed(lim, 4.0)  # t = K: at the plateau
     lim.on_success()
-    assert raised + 4.0 <= lim.rate <= raised + 5.0
+    assert abs(lim.rate - plateau) < 0.5
+    pretend_seconds_passed(lim, 4.0)  # past K: probing above, slowly at first
+    lim.on_success()
+    assert plateau < lim.rate < plateau + 5
     pretend_seconds_passed(lim, 100.0)
     lim.on_success()
-    assert lim.rate == 20.0  # capped at the ceiling, never above
+    assert lim.rate == 100.0  # capped at the ceiling, never above
 
 
-def test_a_cut_restarts_the_increase_clock() -> None:
+def test_the_least_increase_applies_when_the_curve_is_flat() -> None:
+    lim = limiter(rate_per_second=100, decrease_factor=0.5, recovery_seconds=100,
+                  increase_per_second=10)
+    lim.on_throttle(time.monotonic(), None)
+    assert lim.rate == 25.0
+    pretend_seconds_passed(lim, 2.0)
+    lim.on_success()
+    assert 45.0 <= lim.rate <= 47.0  # 25 + 10/s x 2 s (plus the test's own time)
+
+
+def test_a_cut_restarts_the_recovery_clock() -> None:
     lim = limiter(rate_per_second=20, increase_per_second=5)
     pretend_seconds_passed(lim, 30)
     lim.on_throttle(time.monotonic(), None)
+    cut = lim.rate
     lim.on_success()  # the 30 s of "health" before the 429 do not count
-    assert lim.rate == 10.0
+    assert lim.rate == cut
 
 
 # -- Retry-After: a global pause ------------------------------------------------------------

@@ -99,8 +99,8 @@ class Database:
         if self._reader is None:
             raise StorageError("ledger is not open")
         try:
-            async with self._reader.execute(query, params) as cur:
-                return list(await cur.fetchall())
+            # One round trip to the reader's thread, not three (execute, fetch, close).
+            return list(await self._reader.execute_fetchall(query, params))
         except sqlite3.Error as exc:
             raise StorageError(f"ledger read failed: {exc}") from exc
 

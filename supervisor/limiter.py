@@ -26,6 +26,7 @@ rate. tests/unit/test_limiter.py guards this against aiolimiter's internals chan
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import time
@@ -150,21 +151,24 @@ class AdaptiveLimiter:
             self.pause(exhausted_for_s)
 
     def measured_rate(self, now: float | None = None) -> float | None:
-        """Successes per second over the last ``MEASURE_S``, not counting time paused by a
-        Retry-After (nothing can succeed then); None while that leaves under a second."""
+        """Successes per second over the last ``MEASURE_S`` and since the last cut (what
+        the partner accepted before it is stale once it has throttled us), not counting
+        time paused by a Retry-After; None while too little is left to tell."""
         now = time.monotonic() if now is None else now
         window = self._successes
         while window and window[0] < now - MEASURE_S:
             window.popleft()
-        if not window:
+        since = max(now - MEASURE_S, self._last_cut)
+        recent = len(window) - bisect.bisect_left(window, since)
+        if not recent:
             return None
-        start = window[0]
+        start = window[-recent]
         paused = sum(max(0.0, min(end, now) - max(begin, start))
                      for begin, end in self._pauses if end > start)
         active = now - start - paused
-        if active < MIN_MEASURE_S or len(window) < MIN_MEASURE_SAMPLES:
+        if active < MIN_MEASURE_S or recent < MIN_MEASURE_SAMPLES:
             return None
-        return len(window) / active
+        return recent / active
 
     def on_success(self) -> None:
         """A healthy answer: follow the recovery curve back up (at most every 50 ms)."""

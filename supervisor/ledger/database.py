@@ -48,21 +48,39 @@ class Database:
         self.healthy = False
         self.last_error: str | None = None
         self.commits = 0
+        self._corrupt = False
 
     async def open(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._writer = await aiosqlite.connect(self.path, isolation_level=None)
-            for pragma in sql.PRAGMAS:
-                await self._writer.execute(pragma)
+            await self._connect()
+            assert self._writer is not None
             await self._writer.executescript(sql.SCHEMA)
-            self._reader = await aiosqlite.connect(self.path, isolation_level=None)
-            await self._reader.execute("PRAGMA busy_timeout=5000")
         except (OSError, sqlite3.Error) as exc:
             await self.close()
             raise StorageError(f"cannot open ledger {self.path}: {exc}") from exc
         self.healthy = True
         self._task = asyncio.create_task(self._write_loop(), name="ledger-writer")
+
+    async def _connect(self) -> None:
+        self._writer = await aiosqlite.connect(self.path, isolation_level=None)
+        for pragma in sql.PRAGMAS:
+            await self._writer.execute(pragma)
+        self._reader = await aiosqlite.connect(self.path, isolation_level=None)
+        await self._reader.execute("PRAGMA busy_timeout=5000")
+
+    async def _reconnect(self) -> None:
+        """Fresh connections after a corrupt-page error: the old ones may keep the bad page
+        in their cache after the file was repaired underneath them."""
+        for conn in (self._reader, self._writer):
+            if conn is not None:
+                with contextlib.suppress(sqlite3.Error, ValueError):
+                    await conn.close()
+        self._reader = self._writer = None
+        try:
+            await self._connect()
+        except sqlite3.Error as exc:
+            self._mark_unhealthy(exc)
 
     async def close(self) -> None:
         """Finish every queued write, then close. Safe to call twice."""
@@ -101,7 +119,7 @@ class Database:
         try:
             # One round trip to the reader's thread, not three (execute, fetch, close).
             return list(await self._reader.execute_fetchall(query, params))
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, ValueError) as exc:  # ValueError: reconnecting meanwhile
             raise StorageError(f"ledger read failed: {exc}") from exc
 
     async def read_one(self, query: str, params: Any = ()) -> sqlite3.Row | None:
@@ -109,14 +127,18 @@ class Database:
         return rows[0] if rows else None
 
     async def _write_loop(self) -> None:
-        assert self._writer is not None
-        conn = self._writer
         while True:
             batch = [await self._pending.get()]
             while len(batch) < MAX_BATCH and not self._pending.empty():
                 batch.append(self._pending.get_nowait())
             try:
-                await self._commit(conn, batch)
+                if self._corrupt or self._writer is None:
+                    self._corrupt = False
+                    await self._reconnect()
+                if self._writer is None:
+                    self._fail(batch, StorageError(f"ledger {self.path} cannot be opened"))
+                    continue
+                await self._commit(self._writer, batch)
             finally:
                 for _ in batch:
                     self._pending.task_done()
@@ -148,13 +170,14 @@ class Database:
                     await conn.execute("RELEASE w")
             await conn.execute("COMMIT")
         except (sqlite3.Error, ValueError) as exc:  # ValueError: the connection is gone
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(sqlite3.Error, ValueError):
                 await conn.execute("ROLLBACK")
             self._mark_unhealthy(exc)
-            error = StorageError(f"ledger commit failed: {exc}")
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(error)
+            # Locked, full or read-only clears by itself; a malformed page is only repaired
+            # from outside, and then only fresh connections see the repair.
+            self._corrupt = isinstance(exc, sqlite3.DatabaseError) and \
+                not isinstance(exc, sqlite3.OperationalError)
+            self._fail(batch, StorageError(f"ledger commit failed: {exc}"))
             return
         self.commits += 1
         if not self.healthy and time.monotonic() - self._failed_at >= self.recover_after_s:
@@ -168,6 +191,12 @@ class Database:
                 fut.set_result(value)
             else:
                 fut.set_exception(value)
+
+    @staticmethod
+    def _fail(batch: list[tuple[Write, asyncio.Future[Any]]], error: StorageError) -> None:
+        for _, fut in batch:
+            if not fut.done():
+                fut.set_exception(error)
 
     def _mark_unhealthy(self, exc: Exception) -> None:
         self._failed_at = time.monotonic()

@@ -80,6 +80,9 @@ PRAGMAS = (
     "PRAGMA synchronous=FULL",
     "PRAGMA foreign_keys=ON",
     "PRAGMA busy_timeout=5000",
+    # 16 MB of page cache (the default is 2 MB): the indexes of a million-operation run
+    # stay mostly in memory, while the process stays far below 100 MB.
+    "PRAGMA cache_size=-16384",
 )
 
 RUN_COLUMNS = (

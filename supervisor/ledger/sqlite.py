@@ -7,7 +7,6 @@ was not committed, and no committed outcome leaves its message behind.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import sqlite3
 import time
@@ -35,15 +34,15 @@ from supervisor.queue.base import Message
 from supervisor.states import OpState, RunState
 
 
-def operation_id(run_id: str, recipient_id: str) -> str:
-    """The operation's ID, and so the partner's Idempotency-Key.
+def new_operation_id() -> str:
+    """A new operation ID, and so the partner's Idempotency-Key: unique and time-ordered.
 
-    Derived from run and recipient so the same discovery always names the same operation,
-    even if a page is re-read after a crash. The unique (run, recipient) row keeps the
-    first one anyway; this makes the key reproducible from the audit trail too.
+    Time-ordered (a millisecond timestamp, then 64 random bits, like UUIDv7) so a run's
+    operations append to the ledger's indexes instead of landing at random places in
+    them: discovery stays linear at a million candidates. Assigned once: the unique
+    (run, recipient) row keeps the first ID even when a resumed scan reads a page again.
     """
-    digest = hashlib.blake2b(f"{run_id}\x00{recipient_id}".encode(), digest_size=16)
-    return "op_" + digest.hexdigest()
+    return f"op_{time.time_ns() // 1_000_000:012x}{secrets.token_hex(8)}"
 
 
 def new_run_id(now: float) -> str:
@@ -126,7 +125,7 @@ class SqliteLedger:
     async def record_page(self, run_id: str, recipient_ids: Sequence[str],
                           next_cursor: str | None, skipped: int) -> PageResult:
         now = time.time()
-        rows = [(operation_id(run_id, rid), run_id, rid, now, now) for rid in recipient_ids]
+        rows = [(new_operation_id(), run_id, rid, now, now) for rid in recipient_ids]
 
         async def write(conn: aiosqlite.Connection) -> PageResult:
             before = conn.total_changes

@@ -13,7 +13,7 @@ import pytest
 from supervisor.errors import IllegalTransition, OperationBusy
 from supervisor.ledger.base import Disposition, Run, Settlement
 from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger, operation_id
+from supervisor.ledger.sqlite import SqliteLedger, new_operation_id
 from supervisor.queue.base import Delivery
 from supervisor.queue.sqlite import SqliteQueue
 from supervisor.states import OpState, RunState
@@ -120,11 +120,14 @@ async def test_record_page_is_idempotent_and_ids_are_stable(ledger: SqliteLedger
     run = await open_run(ledger)
     first = await ledger.record_page(run.id, ["a", "b", "c"], "3", 1)
     assert (first.new_operations, first.run_state) == (3, RunState.SCANNING)
+    assigned = [(op.recipient_id, op.id)
+                for _, op in await ledger.list_operations(run.id, None, 0, 100)]
     again = await ledger.record_page(run.id, ["a", "b", "c"], "3", 0)  # re-read after a crash
     assert again.new_operations == 0
     rows = await ledger.list_operations(run.id, None, 0, 100)
-    assert [(op.recipient_id, op.id) for _, op in rows] == [
-        (r, operation_id(run.id, r)) for r in ["a", "b", "c"]]
+    # The IDs assigned at discovery survive the re-read.
+    assert [(op.recipient_id, op.id) for _, op in rows] == assigned
+    assert [r for r, _ in assigned] == ["a", "b", "c"]
     assert all(op.state is OpState.DISCOVERED and op.attempts == 0 for _, op in rows)
     stored = await ledger.get_run(run.id)
     assert stored is not None
@@ -134,13 +137,13 @@ async def test_record_page_is_idempotent_and_ids_are_stable(ledger: SqliteLedger
     assert stored.skipped_candidates == 1
 
 
-async def test_operation_id_is_deterministic_and_distinct() -> None:
-    assert operation_id("run_1", "a") == operation_id("run_1", "a")
-    assert operation_id("run_1", "a") != operation_id("run_2", "a")
-    assert operation_id("run_1", "a") != operation_id("run_1", "b")
-    # No ambiguity from concatenation.
-    assert operation_id("run_1", "ab") != operation_id("run_1a", "b")
-    assert operation_id("r", "x").startswith("op_")
+async def test_operation_ids_are_unique_and_time_ordered() -> None:
+    ids = [new_operation_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(i.startswith("op_") for i in ids)
+    later = new_operation_id()
+    # The millisecond prefix orders IDs made at different times.
+    assert all(i[:15] <= later[:15] for i in ids)
 
 
 async def test_the_last_page_starts_the_drain_and_later_pages_are_refused(

@@ -48,7 +48,7 @@ class ConsumerPool:
         self._phases: dict[asyncio.Task[None], Phase] = {}
         self.settled = 0
         # Messages received for idle workers, and every message held, for lease extension.
-        self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._inbox: asyncio.Queue[tuple[Delivery, Operation | None]] = asyncio.Queue()
         self._idle = 0
         self._wanted = asyncio.Event()
         self._held: dict[str, tuple[Delivery, float]] = {}
@@ -96,7 +96,7 @@ class ConsumerPool:
             await asyncio.wait([self._fetcher])
         # Received but never picked up by a worker: hand back at once.
         while not self._inbox.empty():
-            await asyncio.shield(self.queue.nack(self._inbox.get_nowait(), 0.0))
+            await asyncio.shield(self.queue.nack(self._inbox.get_nowait()[0], 0.0))
         return {"workers": len(self._phases), "cut_off": cut}
 
     async def _fetch(self) -> None:
@@ -124,7 +124,18 @@ class ConsumerPool:
             now = time.monotonic()
             for d in deliveries:
                 self._held[d.message.operation_id] = (d, now)
-                self._inbox.put_nowait(d)
+            # One read for the whole claim, not one per message. Whatever happens to the
+            # read (a fault, shutdown), the messages reach the inbox: workers read their
+            # own operation, and stop() hands back what no worker took.
+            ops: dict[str, Operation] = {}
+            try:
+                ops = await self.ledger.get_operations([d.message.operation_id
+                                                        for d in deliveries])
+            except StorageError:
+                pass
+            finally:
+                for d in deliveries:
+                    self._inbox.put_nowait((d, ops.get(d.message.operation_id)))
 
     async def _receive(self, n: int, lease_s: float) -> list[Delivery]:
         claim = asyncio.ensure_future(self.queue.receive(n, lease_s))
@@ -165,12 +176,12 @@ class ConsumerPool:
             self._idle += 1
             self._wanted.set()
             try:
-                delivery = await self._inbox.get()
+                delivery, op = await self._inbox.get()
             finally:
                 self._idle -= 1
             metrics.WORKERS_BUSY.inc()
             try:
-                await self._handle(task, delivery)
+                await self._handle(task, delivery, op)
             except asyncio.CancelledError:
                 # Shutdown: hand the message back now, not when its lease runs out. If the
                 # request had left, its attempt stays open and the redelivery treats it as
@@ -195,9 +206,11 @@ class ConsumerPool:
             async with asyncio.timeout(1.0):
                 await self._stopping.wait()
 
-    async def _handle(self, task: asyncio.Task[None], delivery: Delivery) -> None:
+    async def _handle(self, task: asyncio.Task[None], delivery: Delivery,
+                      op: Operation | None) -> None:
         msg = delivery.message
-        op = await self.ledger.get_operation(msg.operation_id)
+        if op is None:
+            op = await self.ledger.get_operation(msg.operation_id)
         if op is None:
             log.warning("message for unknown operation %s dropped", msg.operation_id)
             await self.queue.ack([delivery])

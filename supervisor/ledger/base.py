@@ -146,6 +146,9 @@ class Ledger(Protocol):
 
     async def get_operation(self, operation_id: str) -> Operation | None: ...
 
+    async def get_operations(self, operation_ids: Sequence[str]) -> dict[str, Operation]:
+        """Several operations in one read (those that exist), by ID."""
+
     async def list_operations(self, run_id: str, state: OpState | None, after: int,
                               limit: int) -> list[tuple[int, Operation]]: ...
 

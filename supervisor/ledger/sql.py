@@ -150,6 +150,11 @@ INSERT_OPERATION = (
     "VALUES (?, ?, ?, 'discovered', ?, ?) ON CONFLICT (run_id, recipient_id) DO NOTHING"
 )
 SELECT_OPERATION = f"SELECT {OP_COLUMNS} FROM operations WHERE id = ?"
+SELECT_OPERATIONS_WITH_OPEN_ATTEMPT = (
+    f"SELECT {OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
+    "operations.id ORDER BY a.id DESC LIMIT 1) FROM operations "
+    "WHERE id IN (SELECT value FROM json_each(?))"
+)
 SELECT_OPERATION_WITH_OPEN_ATTEMPT = (
     f"SELECT {OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
     "operations.id ORDER BY a.id DESC LIMIT 1) FROM operations WHERE id = ?"
@@ -170,6 +175,18 @@ SELECT_OP_STATE = "SELECT state, attempts, owner, busy_until FROM operations WHE
 UPDATE_OP_QUEUED = (
     "UPDATE operations SET state = 'queued', updated_at = ? WHERE id = ? AND state = 'discovered'"
 )
+
+
+@functools.cache
+def transition_many(target: OpState) -> str:
+    """:func:`transition` for ``executemany``: no RETURNING, so the caller checks how many
+    rows changed, and falls back to one statement per operation when any was refused."""
+    allowed = ", ".join(f"'{s.value}'" for s in sorted(states.predecessors(target)))
+    return (
+        "UPDATE operations SET state = :target, reason = COALESCE(:reason, reason), "
+        "attempts = attempts + :count, updated_at = :now, owner = NULL, busy_until = NULL "
+        f"WHERE id = :id AND state IN ({allowed})"
+    )
 
 
 @functools.cache

@@ -7,6 +7,8 @@ was not committed, and no committed outcome leaves its message behind.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import secrets
 import sqlite3
 import time
@@ -17,7 +19,7 @@ import aiosqlite
 import orjson
 
 from supervisor import states
-from supervisor.errors import OperationBusy
+from supervisor.errors import OperationBusy, StorageError
 from supervisor.ledger import sql
 from supervisor.ledger.base import (
     Attempt,
@@ -72,6 +74,8 @@ class SqliteLedger:
 
     def __init__(self, db: Database, owns_queue: bool) -> None:
         self.db = db
+        # Settlements waiting for the next group commit (see _settle_batched).
+        self._open_batch: list[tuple[Settlement, asyncio.Future[None]]] | None = None
         # True when the queue's messages live in this same file: acks join our transactions.
         self._owns_queue = owns_queue
 
@@ -168,6 +172,11 @@ class SqliteLedger:
         row = await self.db.read_one(sql.SELECT_OPERATION_WITH_OPEN_ATTEMPT, (operation_id,))
         return _op(row, unfinished=bool(row[8])) if row else None
 
+    async def get_operations(self, operation_ids: Sequence[str]) -> dict[str, Operation]:
+        rows = await self.db.read(sql.SELECT_OPERATIONS_WITH_OPEN_ATTEMPT,
+                                  (orjson.dumps(list(operation_ids)).decode(),))
+        return {r[0]: _op(r, unfinished=bool(r[8])) for r in rows}
+
     async def list_operations(self, run_id: str, state: OpState | None, after: int,
                               limit: int) -> list[tuple[int, Operation]]:
         if state is None:
@@ -210,25 +219,13 @@ class SqliteLedger:
         return await self.db.write(write)
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
+        if self._owns_queue and len(settlements) == 1 and \
+                _batchable(settlements[0]):
+            await self._settle_batched(settlements[0])
+            return []
+
         async def write(conn: aiosqlite.Connection) -> None:
-            now = time.time()
-            for s in settlements:
-                await _transition(conn, s.operation_id, s.target, s.reason,
-                                  count=-1 if s.refund_attempt else 0, now=now)
-                if s.attempt_id is not None:
-                    await conn.execute(sql.FINISH_ATTEMPT, (now, s.status, s.outcome,
-                                                            s.detail, s.attempt_id))
-                elif s.target is OpState.AMBIGUOUS:
-                    # Held because an earlier attempt has no outcome (its process died):
-                    # that outcome is unknown for good, not "still in the air".
-                    await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, (now, s.operation_id))
-                if self._owns_queue and s.delivery is not None:
-                    token = s.delivery.lease_token
-                    if s.disposition is Disposition.ACK:
-                        await conn.execute(sql.DELETE_MESSAGE, (s.operation_id, token))
-                    elif s.disposition is Disposition.RETRY:
-                        await conn.execute(sql.RETRY_MESSAGE,
-                                           (now + s.delay_s, s.operation_id, token))
+            await self._settle_each(conn, settlements)
 
         # One settlement can only fail at its first (guarded) statement: no savepoint.
         await self.db.write(write, savepoint=len(settlements) > 1)
@@ -236,6 +233,111 @@ class SqliteLedger:
             return []
         return [s for s in settlements
                 if s.delivery is not None and s.disposition is not Disposition.KEEP]
+
+    async def _settle_batched(self, settlement: Settlement) -> None:
+        """Join the settlements of every worker that settles before the next group commit,
+        and write them with one ``executemany`` per statement instead of three statements
+        each: at full speed this is where the ledger spends its time. Returns once the
+        group commit holding it has committed."""
+        if self._open_batch is None:
+            batch: list[tuple[Settlement, asyncio.Future[None]]] = []
+            self._open_batch = batch
+            write = asyncio.ensure_future(self.db.write(
+                functools.partial(self._write_settlements, batch)))
+            write.add_done_callback(functools.partial(self._settlements_done, batch))
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._open_batch.append((settlement, fut))
+        await asyncio.shield(fut)
+
+    async def _write_settlements(self, batch: list[tuple[Settlement, asyncio.Future[None]]],
+                                 conn: aiosqlite.Connection) -> list[BaseException | None]:
+        if self._open_batch is batch:
+            self._open_batch = None  # later settlements start the next batch
+        await conn.execute("SAVEPOINT fast")
+        if await self._settle_many(conn, [s for s, _ in batch]):
+            await conn.execute("RELEASE fast")
+            return [None] * len(batch)
+        # Some transition was refused: undo, and settle one by one so that only the
+        # offending settlement fails.
+        await conn.execute("ROLLBACK TO fast")
+        await conn.execute("RELEASE fast")
+        outcomes: list[BaseException | None] = []
+        for s, _ in batch:
+            await conn.execute("SAVEPOINT one")
+            try:
+                await self._settle_each(conn, [s])
+                outcomes.append(None)
+            except (sqlite3.OperationalError, sqlite3.DatabaseError):
+                raise  # storage trouble: the group commit fails as a whole
+            except Exception as exc:
+                await conn.execute("ROLLBACK TO one")
+                outcomes.append(exc)
+            await conn.execute("RELEASE one")
+        return outcomes
+
+    def _settlements_done(self, batch: list[tuple[Settlement, asyncio.Future[None]]],
+                          write: asyncio.Future[list[BaseException | None]]) -> None:
+        """After the group commit: each settlement learns its own outcome."""
+        if self._open_batch is batch:
+            self._open_batch = None
+        if write.cancelled():
+            outcomes: list[BaseException | None] = [StorageError("ledger closed")] * len(batch)
+        elif (error := write.exception()) is not None:
+            outcomes = [error] * len(batch)
+        else:
+            outcomes = write.result()
+        for (_, fut), outcome in zip(batch, outcomes, strict=True):
+            if fut.done():
+                continue
+            if outcome is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(outcome)
+
+    async def _settle_many(self, conn: aiosqlite.Connection,
+                           settlements: Sequence[Settlement]) -> bool:
+        now = time.time()
+        by_target: dict[OpState, list[dict[str, Any]]] = {}
+        for s in settlements:
+            by_target.setdefault(s.target, []).append(
+                {"target": s.target.value, "reason": s.reason, "now": now, "id": s.operation_id,
+                 "count": -1 if s.refund_attempt else 0})
+        for target, params in by_target.items():
+            before = conn.total_changes
+            await conn.executemany(sql.transition_many(target), params)
+            if conn.total_changes - before != len(params):
+                return False
+        await conn.executemany(sql.FINISH_ATTEMPT, [
+            (now, s.status, s.outcome, s.detail, s.attempt_id)
+            for s in settlements if s.attempt_id is not None])
+        await conn.executemany(sql.DELETE_MESSAGE, [
+            (s.operation_id, s.delivery.lease_token) for s in settlements
+            if s.delivery is not None and s.disposition is Disposition.ACK])
+        await conn.executemany(sql.RETRY_MESSAGE, [
+            (now + s.delay_s, s.operation_id, s.delivery.lease_token) for s in settlements
+            if s.delivery is not None and s.disposition is Disposition.RETRY])
+        return True
+
+    async def _settle_each(self, conn: aiosqlite.Connection,
+                           settlements: Sequence[Settlement]) -> None:
+        now = time.time()
+        for s in settlements:
+            await _transition(conn, s.operation_id, s.target, s.reason,
+                              count=-1 if s.refund_attempt else 0, now=now)
+            if s.attempt_id is not None:
+                await conn.execute(sql.FINISH_ATTEMPT, (now, s.status, s.outcome,
+                                                        s.detail, s.attempt_id))
+            elif s.target is OpState.AMBIGUOUS:
+                # Held because an earlier attempt has no outcome (its process died):
+                # that outcome is unknown for good, not "still in the air".
+                await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, (now, s.operation_id))
+            if self._owns_queue and s.delivery is not None:
+                token = s.delivery.lease_token
+                if s.disposition is Disposition.ACK:
+                    await conn.execute(sql.DELETE_MESSAGE, (s.operation_id, token))
+                elif s.disposition is Disposition.RETRY:
+                    await conn.execute(sql.RETRY_MESSAGE,
+                                       (now + s.delay_s, s.operation_id, token))
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
                               reason: str, detail: str, status: int | None = None) -> bool:
@@ -295,6 +397,12 @@ class SqliteLedger:
 
     async def close(self) -> None:
         await self.db.close()
+
+
+def _batchable(s: Settlement) -> bool:
+    # An ambiguous settlement without an attempt also closes earlier open attempts: the
+    # one-by-one path does that.
+    return not (s.target is OpState.AMBIGUOUS and s.attempt_id is None)
 
 
 async def _fetchone(conn: aiosqlite.Connection, query: str,

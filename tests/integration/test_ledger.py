@@ -278,6 +278,31 @@ async def test_illegal_transition_raises_and_changes_nothing_while_its_batch_com
     assert op_b.state is OpState.IN_FLIGHT
 
 
+async def test_concurrent_settlements_share_one_batch_and_only_an_illegal_one_fails(
+        db: Database, ledger: SqliteLedger, queue: SqliteQueue, hold_writer: HoldWriter) -> None:
+    run = await discovered_run(ledger, queue, ["a", "b", "c"])
+    da, db_, dc = await queue.receive(3, 60)
+    for d in (da, db_, dc):
+        await ledger.begin_attempt(d.message.operation_id, "delete")
+    # b is settled once already: settling it again (deleted -> deleted) is illegal.
+    await ledger.settle([Settlement(db_.message.operation_id, OpState.DELETED, db_)])
+
+    async with hold_writer() as release:
+        settles = [asyncio.create_task(ledger.settle([Settlement(
+            d.message.operation_id, OpState.DELETED, d, Disposition.ACK)]))
+            for d in (da, db_, dc)]
+        await asyncio.sleep(0)  # all three queued behind the held batch, as one batch
+        commits = await release()
+    results = await asyncio.gather(*settles, return_exceptions=True)
+    assert results[0] == []
+    assert results[2] == []
+    assert isinstance(results[1], IllegalTransition)
+    assert db.commits == commits + 1  # one group commit for all three
+    counts = await ledger.run_counts(run.id)
+    assert counts == {OpState.DELETED: 3}
+    assert await message_count(db) == 0
+
+
 async def test_an_illegal_settlement_in_a_group_undoes_the_whole_group(
         db: Database, ledger: SqliteLedger, queue: SqliteQueue) -> None:
     await discovered_run(ledger, queue, ["a", "b"])

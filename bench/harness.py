@@ -102,6 +102,8 @@ class Scenario:
     peer_budget: tuple[float, float] = (0.5, 8.0)
     cron_budget: tuple[float, float] | None = None
     max_budget_s: float = 150.0
+    # Service settings this scenario is run with (section, key, value), before --set.
+    service_set: tuple[tuple[str, str, Any], ...] = ()
 
     @property
     def unlimited(self) -> bool:
@@ -411,6 +413,8 @@ def service_config(sc: Scenario, data_dir: Path, port: int, partner_url: str,
                          token_env="CUSTOMER_API_TOKEN")
     doc["partner"].update(base_url=partner_url)
     doc["limits"].update(rate_per_second=sc.ceiling, concurrency=sc.concurrency)
+    for section, key, value in sc.service_set:
+        doc.setdefault(section, {})[key] = value
     for section, table in overrides.items():
         doc.setdefault(section, {}).update(table)
     return doc

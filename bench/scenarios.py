@@ -43,12 +43,12 @@ STORMS_SECONDS = Scenario(
     "storms-seconds", "Retry-After storms (delay-seconds)",
     "within 5% of ideal + pauses; no request during a pause",
     n=2000, partner_rate=200, ceiling=200, events=_STORMS, retry_after_format="seconds",
-    scrape=True)
+    scrape=True, service_set=(("limits", "long_pause_seconds", 2.0),))
 STORMS_DATE = Scenario(
     "storms-http-date", "Retry-After storms (HTTP-date)",
     "within 5% of ideal + pauses; no request during a pause",
     n=2000, partner_rate=200, ceiling=200, events=_STORMS, retry_after_format="http-date",
-    scrape=True)
+    scrape=True, service_set=(("limits", "long_pause_seconds", 2.0),))
 
 # 200/s, a quarter (50/s) from 6 s to 14 s after the tick, then 200/s again.
 CHANGING = Scenario(

@@ -228,13 +228,15 @@ class LimitsConfig:
     # The least the rate climbs per second after a cut, however flat the curve.
     increase_per_second: float = 2.0
     floor_per_second: float = 0.5
-    # A Retry-After this long or longer is a pause the partner imposes, not a rate signal.
-    long_pause_seconds: float = 2.0
+    # A Retry-After this long or longer is a pause the partner imposes (maintenance, a quota
+    # window), not a rate signal: every worker waits, the rate is not cut. 0: every 429 cuts.
+    long_pause_seconds: float = 0.0
 
     def problems(self) -> list[str]:
         out = _positive("limits", self, "rate_per_second", "concurrency",
-                        "increase_per_second", "floor_per_second", "recovery_seconds",
-                        "long_pause_seconds")
+                        "increase_per_second", "floor_per_second", "recovery_seconds")
+        if self.long_pause_seconds < 0:
+            out.append(f"limits.long_pause_seconds must be >= 0, got {self.long_pause_seconds}")
         # Every acquisition takes one whole token: a bucket that can never hold one would
         # make aiolimiter refuse every acquire (ValueError), crashing every worker.
         if not self.burst >= 1:

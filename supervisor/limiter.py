@@ -14,9 +14,9 @@ Policy (CUBIC, as AWS's SDK adaptive mode and TCP use it, measured against the p
 * never below ``floor_per_second``;
 * a ``Retry-After`` pauses *every* worker until then, and the bucket is emptied when the
   pause ends so the waiters do not burst the moment it reopens. The server's wait is not
-  jittered: it told us exactly when. A ``Retry-After`` of ``long_pause_seconds`` or more
-  is a pause the partner imposes (maintenance, a quota window), not a sign the rate was too
-  high: everyone waits, the rate is kept.
+  jittered: it told us exactly when. Optionally (``long_pause_seconds`` > 0) a longer
+  ``Retry-After`` is taken as a pause the partner imposes (maintenance, a quota window),
+  not a sign the rate was too high: everyone waits, the rate is kept.
 
 aiolimiter cannot change its rate at runtime (aiolimiter#98), so :func:`_retune` sets the
 bucket's rate in place and re-arms its timer; waiters already queued then drain at the new
@@ -186,7 +186,8 @@ class AdaptiveLimiter:
         """A 429: cut the rate once per episode and pause every worker for Retry-After."""
         self.throttles += 1
         now = time.monotonic()
-        imposed = retry_after_s is not None and retry_after_s >= self.long_pause_s
+        imposed = (self.long_pause_s > 0 and retry_after_s is not None
+                   and retry_after_s >= self.long_pause_s)
         if sent_at >= self._last_cut and not imposed:
             measured = self.measured_rate(now)
             base = self.rate if measured is None else min(self.rate, measured)

@@ -23,7 +23,7 @@ from supervisor.openapi import DOCUMENT, PRINTABLE, TICK_KEY
 from supervisor.reconcile import RESOLUTIONS, Reconciler
 from supervisor.runs import RunOpener, Tick
 from supervisor.sources import check_recipient_id
-from supervisor.states import OpState, RunState
+from supervisor.states import SETTLED, OpState, RunState
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,7 @@ def run_view(run: Run, counts: dict[OpState, int] | None = None,
     }
     if counts is not None:
         view["counts"] = {s.value: counts.get(s, 0) for s in OpState}
-        unfinished = sum(n for s, n in counts.items()
-                         if s in (OpState.DISCOVERED, OpState.QUEUED, OpState.IN_FLIGHT,
-                                  OpState.RETRY_WAIT))
+        unfinished = sum(n for s, n in counts.items() if s not in SETTLED)
         view["unfinished"] = unfinished
         if rate and run.state is not RunState.DONE:
             view["projected_finish"] = time.time() + unfinished / rate

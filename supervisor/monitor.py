@@ -60,11 +60,10 @@ class Monitor:
         metrics.QUEUE_OLDEST_AGE.set(q.oldest_claimable_age_s)
         s = await self.ledger.stats()
         metrics.AMBIGUOUS.set(s.by_state.get(OpState.AMBIGUOUS, 0))
-        if s.last_tick_at is not None:
-            metrics.LAST_TICK.set(s.last_tick_at)
         run = s.current_run
         if run is None:
             return
+        metrics.LAST_TICK.set(run.created_at)
         if self.digest_cutoff_s is not None:
             metrics.DIGEST_CUTOFF.set((run.scheduled_for or run.created_at) + self.digest_cutoff_s)
         counts = s.current_run_by_state

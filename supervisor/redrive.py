@@ -25,7 +25,6 @@ class Redriver:
         self.config = config
         self.ledger = ledger
         self.queue = queue
-        self.redriven = 0
 
     async def run(self) -> None:
         while True:
@@ -46,7 +45,6 @@ class Redriver:
                 total += len(lost)
                 metrics.REDRIVEN.inc(len(lost))
         if total:
-            self.redriven += total
             log.warning("redrive: %d unfinished operations had no message; published again",
                         total, extra={"action": "redrive"})
         return total

@@ -84,6 +84,7 @@ class Service:
         self.pool: ConsumerPool | None = None
         self._restarts: dict[str, deque[float]] = {}
         self._stopping = False
+        self._db: Database | None = None
 
     def request_stop(self) -> None:
         self.stop_requested.set()
@@ -96,7 +97,7 @@ class Service:
         c = self.config
         lock = DataDirLock(c.service.data_dir)
         lock.acquire()
-        db = Database(c.ledger_path, recover_after_s=LEDGER_RECOVER_AFTER_S)
+        db = self._db = Database(c.ledger_path, recover_after_s=LEDGER_RECOVER_AFTER_S)
         try:
             await db.open()
         except BaseException:
@@ -217,8 +218,12 @@ class Service:
                 # component's fault: wait for the fault to clear without escalating.
                 if self._stopping:
                     return
-                log.warning("component %s paused: %s", name, exc,
-                            extra={"action": "component_storage_wait"})
+                # A failed commit was said once already ("ledger cannot commit"): each
+                # component waiting on it is a detail, not another alarm.
+                reported = self._db is not None and not self._db.healthy
+                log.log(logging.DEBUG if reported else logging.WARNING,
+                        "component %s paused: %s", name, exc,
+                        extra={"action": "component_storage_wait"})
             except Exception as exc:
                 if self._stopping:
                     return

@@ -57,7 +57,7 @@ def is_legal(current: OpState, target: OpState) -> bool:
 
 def check(operation_id: str, current: OpState, target: OpState) -> None:
     """Raise IllegalTransition unless ``current -> target`` is in the table."""
-    if target not in TRANSITIONS[current]:
+    if not is_legal(current, target):
         raise IllegalTransition(operation_id, current, target)
 
 

@@ -100,7 +100,6 @@ class LedgerStats:
     by_state: Mapping[OpState, int] = field(default_factory=dict)
     current_run: Run | None = None
     current_run_by_state: Mapping[OpState, int] = field(default_factory=dict)
-    last_tick_at: float | None = None
 
 
 class Ledger(Protocol):

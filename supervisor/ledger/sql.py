@@ -113,7 +113,6 @@ SELECT_RUNS_BEFORE = (
 )
 SELECT_RUNS_TO_SCAN = f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
 SELECT_CURRENT_RUN = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
-SELECT_LAST_TICK = "SELECT MAX(created_at) FROM runs"
 UPDATE_RUN_PAGE = (
     "UPDATE runs SET scan_cursor = ?, scan_pages = scan_pages + 1, "
     "discovered = discovered + ?, skipped_candidates = skipped_candidates + ? "
@@ -155,10 +154,6 @@ SELECT_OPERATIONS_WITH_OPEN_ATTEMPT = (
     "operations.id ORDER BY a.id DESC LIMIT 1) FROM operations "
     "WHERE id IN (SELECT value FROM json_each(?))"
 )
-SELECT_OPERATION_WITH_OPEN_ATTEMPT = (
-    f"SELECT {OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
-    "operations.id ORDER BY a.id DESC LIMIT 1) FROM operations WHERE id = ?"
-)
 SELECT_OPERATIONS = (
     f"SELECT rowid, {OP_COLUMNS} FROM operations WHERE run_id = ? AND rowid > ? "
     "ORDER BY rowid LIMIT ?"
@@ -178,31 +173,20 @@ UPDATE_OP_QUEUED = (
 
 
 @functools.cache
-def transition_many(target: OpState) -> str:
-    """:func:`transition` for ``executemany``: no RETURNING, so the caller checks how many
-    rows changed, and falls back to one statement per operation when any was refused."""
-    allowed = ", ".join(f"'{s.value}'" for s in sorted(states.predecessors(target)))
-    return (
-        "UPDATE operations SET state = :target, reason = COALESCE(:reason, reason), "
-        "attempts = attempts + :count, updated_at = :now, owner = NULL, busy_until = NULL "
-        f"WHERE id = :id AND state IN ({allowed})"
-    )
-
-
-@functools.cache
-def transition(target: OpState, guard_busy: bool) -> str:
+def transition(target: OpState, guard_busy: bool, returning: bool = True) -> str:
     """The guarded state change: it only matches a row whose current state may legally
     move to ``target`` (the table in supervisor/states.py), so the check and the write are
     one statement. With ``guard_busy`` it also refuses an operation another owner holds
-    in flight. No row back means refused; the caller finds out why."""
+    in flight. No row back means refused; the caller finds out why. Without
+    ``returning`` it suits ``executemany``: the caller counts the rows changed instead."""
     allowed = ", ".join(f"'{s.value}'" for s in sorted(states.predecessors(target)))
     busy = (" AND (state != 'in_flight' OR busy_until IS NULL OR busy_until <= :now"
             " OR owner = :owner)") if guard_busy else ""
     return (
         "UPDATE operations SET state = :target, reason = COALESCE(:reason, reason), "
         "attempts = attempts + :count, updated_at = :now, owner = :owner, "
-        f"busy_until = :busy_until WHERE id = :id AND state IN ({allowed}){busy} "
-        "RETURNING attempts"
+        f"busy_until = :busy_until WHERE id = :id AND state IN ({allowed}){busy}"
+        + (" RETURNING attempts" if returning else "")
     )
 
 

@@ -169,8 +169,7 @@ class SqliteLedger:
         await self.db.write(write)
 
     async def get_operation(self, operation_id: str) -> Operation | None:
-        row = await self.db.read_one(sql.SELECT_OPERATION_WITH_OPEN_ATTEMPT, (operation_id,))
-        return _op(row, unfinished=bool(row[8])) if row else None
+        return (await self.get_operations([operation_id])).get(operation_id)
 
     async def get_operations(self, operation_ids: Sequence[str]) -> dict[str, Operation]:
         rows = await self.db.read(sql.SELECT_OPERATIONS_WITH_OPEN_ATTEMPT,
@@ -301,10 +300,11 @@ class SqliteLedger:
         for s in settlements:
             by_target.setdefault(s.target, []).append(
                 {"target": s.target.value, "reason": s.reason, "now": now, "id": s.operation_id,
-                 "count": -1 if s.refund_attempt else 0})
+                 "count": -1 if s.refund_attempt else 0, "owner": None, "busy_until": None})
         for target, params in by_target.items():
             before = conn.total_changes
-            await conn.executemany(sql.transition_many(target), params)
+            await conn.executemany(sql.transition(target, guard_busy=False, returning=False),
+                                   params)
             if conn.total_changes - before != len(params):
                 return False
         await conn.executemany(sql.FINISH_ATTEMPT, [
@@ -392,8 +392,7 @@ class SqliteLedger:
         current = _run(row) if row else None
         current_counts = await self.run_counts(current.id) if current else {}
         return LedgerStats(by_state=by_state, current_run=current,
-                           current_run_by_state=current_counts,
-                           last_tick_at=current.created_at if current else None)
+                           current_run_by_state=current_counts)
 
     async def close(self) -> None:
         await self.db.close()

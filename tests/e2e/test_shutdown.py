@@ -27,14 +27,20 @@ async def _slow_requests_in_the_air(sandbox, latency_ms: float) -> dict:
     return before
 
 
-async def test_sigterm_lets_requests_in_the_air_finish_and_exits_0(e2e):
-    grace = 5.0
+async def _draining(e2e, grace: float):
+    """A service draining a run, 40 % done, with the given shutdown grace."""
     sandbox = await e2e.sandbox("--recipients", POPULATION, "--rate", 400, "--latency-ms", 20)
     svc = e2e.service(sandbox, {"service": {"shutdown_grace_seconds": grace},
                                 "limits": {"concurrency": CONCURRENCY}})
     sp = await svc.start()
     run_id = await svc.open_run()
     await sandbox.wait(executions=int(POPULATION * 0.4))
+    return sandbox, svc, sp, run_id
+
+
+async def test_sigterm_lets_requests_in_the_air_finish_and_exits_0(e2e):
+    grace = 5.0
+    sandbox, svc, sp, run_id = await _draining(e2e, grace)
     await _slow_requests_in_the_air(sandbox, latency_ms=1500)
 
     signalled = time.monotonic()
@@ -79,12 +85,7 @@ async def test_sigterm_lets_requests_in_the_air_finish_and_exits_0(e2e):
 
 async def test_sigterm_cuts_off_requests_outlasting_the_grace(e2e):
     grace = 1.0
-    sandbox = await e2e.sandbox("--recipients", POPULATION, "--rate", 400, "--latency-ms", 20)
-    svc = e2e.service(sandbox, {"service": {"shutdown_grace_seconds": grace},
-                                "limits": {"concurrency": CONCURRENCY}})
-    sp = await svc.start()
-    run_id = await svc.open_run()
-    await sandbox.wait(executions=int(POPULATION * 0.4))
+    sandbox, svc, sp, run_id = await _draining(e2e, grace)
     await _slow_requests_in_the_air(sandbox, latency_ms=3000)
 
     signalled = time.monotonic()

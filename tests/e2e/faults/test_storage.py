@@ -47,7 +47,8 @@ def stranded(conn: sqlite3.Connection) -> list[str]:
 
 
 # What the consumers log, at DEBUG, for each write that fails while the fault holds.
-FAILED_WRITE = r"could not (record operation \S+|claim messages): ledger commit failed"
+FAILED_WRITE = (r"(could not (record operation \S+|claim messages)|component \S+ paused): "
+                r"ledger commit failed")
 
 
 def logged_at(line: str) -> float:

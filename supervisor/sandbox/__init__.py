@@ -7,7 +7,7 @@ Used by the demo, the end-to-end tests and the benchmarks; see ``create_app`` an
 from __future__ import annotations
 
 from supervisor.sandbox.app import CLOSING_KEY, STATE_KEY, create_app
-from supervisor.sandbox.config import RetryAfterFormat, SandboxConfig, Window
+from supervisor.sandbox.config import RateLimitHeaders, RetryAfterFormat, SandboxConfig, Window
 from supervisor.sandbox.server import RunningSandbox, run_sandbox
 from supervisor.sandbox.state import Execution, SandboxState
 
@@ -15,6 +15,7 @@ __all__ = [
     "CLOSING_KEY",
     "STATE_KEY",
     "Execution",
+    "RateLimitHeaders",
     "RetryAfterFormat",
     "RunningSandbox",
     "SandboxConfig",

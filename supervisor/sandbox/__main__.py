@@ -16,7 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 import orjson
 
-from supervisor.sandbox.config import RETRY_AFTER_FORMATS, WINDOWS, SandboxConfig
+from supervisor.sandbox.config import (
+    RATELIMIT_HEADER_STYLES,
+    RETRY_AFTER_FORMATS,
+    WINDOWS,
+    SandboxConfig,
+    parse_quota,
+)
 from supervisor.sandbox.server import run_sandbox
 
 
@@ -40,11 +46,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rate", type=float, default=d.rate_per_second, help="<= 0 disables")
     p.add_argument("--burst", type=float, default=d.burst)
-    p.add_argument("--window", choices=WINDOWS, default=d.window)
+    p.add_argument(
+        "--window",
+        choices=WINDOWS,
+        default=d.window,
+        help="limiter shape: token bucket, strict GCRA at 1 ms, sliding log, "
+        "fixed 1 s or 60 s windows",
+    )
+    p.add_argument(
+        "--window-seconds",
+        type=float,
+        default=d.window_seconds,
+        help="trailing window of --window sliding (limit = rate * this)",
+    )
+    p.add_argument(
+        "--quota",
+        dest="quotas",
+        metavar="LIMIT/SECONDS",
+        action="append",
+        default=[],
+        help="a fixed-window quota on top of the rate, e.g. 3000/3600; repeatable",
+    )
     p.add_argument(
         "--retry-after-format", choices=RETRY_AFTER_FORMATS, default=d.retry_after_format
     )
-    p.add_argument("--ratelimit-headers", action="store_true", default=d.ratelimit_headers)
+    p.add_argument(
+        "--ratelimit-headers",
+        nargs="?",
+        const="ietf",
+        choices=RATELIMIT_HEADER_STYLES,
+        default=d.ratelimit_headers,
+        help="header style; the bare flag means ietf",
+    )
     p.add_argument(
         "--no-idempotency",
         dest="honour_idempotency_keys",
@@ -71,6 +104,7 @@ def config_from_args(
         if not token:
             parser.error(f"environment variable {args.token_env} is unset or empty")
     try:
+        quotas = tuple(parse_quota(spec) for spec in args.quotas)
         return SandboxConfig(
             recipients=args.recipients,
             absent_share=args.absent_share,
@@ -79,6 +113,8 @@ def config_from_args(
             rate_per_second=args.rate,
             burst=args.burst,
             window=args.window,
+            window_seconds=args.window_seconds,
+            quotas=quotas,
             retry_after_format=args.retry_after_format,
             ratelimit_headers=args.ratelimit_headers,
             honour_idempotency_keys=args.honour_idempotency_keys,

@@ -12,15 +12,14 @@ import math
 import socket
 import struct
 import time
-from collections.abc import Mapping
-from datetime import UTC, datetime
-from email.utils import format_datetime
+from collections.abc import Callable, Mapping
 
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from supervisor.sandbox.config import SandboxConfig
+from supervisor.sandbox.headers import ratelimit_headers, retry_after
 from supervisor.sandbox.limits import ceil_seconds
 from supervisor.sandbox.state import Claim, SandboxState, StoredResponse
 
@@ -102,23 +101,27 @@ def _require_auth(request: web.Request) -> None:
         )
 
 
-def retry_after_value(seconds: float, fmt: str) -> str:
-    if fmt == "http-date":
-        # HTTP-dates have one-second resolution: round the instant up so a client
-        # honouring it never comes back before a token exists.
-        at = math.ceil(time.time() + max(seconds, 1.0))
-        return format_datetime(datetime.fromtimestamp(at, tz=UTC), usegmt=True)
-    return str(ceil_seconds(seconds))
-
-
 def _with_quota(state: SandboxState, response: web.Response) -> web.Response:
-    if not state.config.ratelimit_headers:
+    style = state.config.ratelimit_headers
+    if style == "none":
         return response
-    quota = state.quota(state.clock())
-    if quota is not None:
-        response.headers["RateLimit-Policy"] = f'"default";q={quota.limit};w={quota.window_seconds}'
-        response.headers["RateLimit"] = f'"default";r={quota.remaining};t={quota.reset_seconds}'
+    response.headers.update(ratelimit_headers(style, state.policies(state.clock()), time.time()))
     return response
+
+
+def _too_many_requests(state: SandboxState, now: float, wait: float, reason: str) -> web.Response:
+    announced = retry_after(wait, state.config.retry_after_format, time.time())
+    body: dict[str, object] = {"error": reason, "message": "too many requests"}
+    headers: dict[str, str] = {}
+    if announced is not None:
+        headers["Retry-After"] = announced.value
+        # A partner that sends no Retry-After gives no hint in the body either.
+        body["retry_after_seconds"] = ceil_seconds(wait)
+        if reason != "paused":
+            # Storms are counted on their own (requests_during_pause); this tracks the
+            # limiter's and quotas' own announcements.
+            state.note_announced(now, announced.announced_seconds)
+    return _with_quota(state, json_response(body, 429, headers))
 
 
 def _response_from(stored: StoredResponse, replayed: bool) -> web.Response:
@@ -159,19 +162,10 @@ async def delete_recipient(request: web.Request) -> web.StreamResponse:
         raise
     recipient_id = request.match_info["recipient_id"]
 
-    refusal = state.admit(state.clock())
+    now = state.clock()
+    refusal = state.admit(now)
     if refusal is not None:
-        retry_after = retry_after_value(refusal.retry_after, state.config.retry_after_format)
-        response = json_response(
-            {
-                "error": refusal.reason,
-                "message": "too many requests",
-                "retry_after_seconds": ceil_seconds(refusal.retry_after),
-            },
-            429,
-            {"Retry-After": retry_after},
-        )
-        return _with_quota(state, response)
+        return _too_many_requests(state, now, refusal.retry_after, refusal.reason)
 
     raw_key = request.headers.get("Idempotency-Key")
     key = raw_key if state.config.honour_idempotency_keys else None
@@ -384,8 +378,11 @@ async def _on_shutdown(app: web.Application) -> None:
     app[STATE_KEY].wake_waiters()
 
 
-def create_app(config: SandboxConfig | None = None) -> web.Application:
-    state = SandboxState(config if config is not None else SandboxConfig())
+def create_app(
+    config: SandboxConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+) -> web.Application:
+    """``clock`` drives the limiters, so tests can step time instead of sleeping."""
+    state = SandboxState(config if config is not None else SandboxConfig(), clock)
     app = web.Application(middlewares=[json_errors])
     app[STATE_KEY] = state
     app[CLOSING_KEY] = asyncio.Event()

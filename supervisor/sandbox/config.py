@@ -6,11 +6,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-Window = Literal["bucket", "minute"]
-RetryAfterFormat = Literal["seconds", "http-date"]
+Window = Literal["bucket", "gcra", "sliding", "second", "minute"]
+RetryAfterFormat = Literal["seconds", "fractional", "http-date", "none"]
+RateLimitHeaders = Literal["none", "ietf", "x-ratelimit", "x-ratelimit-epoch"]
 
-WINDOWS: tuple[Window, ...] = ("bucket", "minute")
-RETRY_AFTER_FORMATS: tuple[RetryAfterFormat, ...] = ("seconds", "http-date")
+WINDOWS: tuple[Window, ...] = ("bucket", "gcra", "sliding", "second", "minute")
+RETRY_AFTER_FORMATS: tuple[RetryAfterFormat, ...] = ("seconds", "fractional", "http-date", "none")
+RATELIMIT_HEADER_STYLES: tuple[RateLimitHeaders, ...] = (
+    "none",
+    "ietf",
+    "x-ratelimit",
+    "x-ratelimit-epoch",
+)
 
 
 def check_probability(name: str, value: float) -> float:
@@ -23,6 +30,41 @@ def check_non_negative(name: str, value: float) -> float:
     if not math.isfinite(value) or value < 0.0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
+
+
+def check_positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_quotas(quotas: object) -> tuple[tuple[int, float], ...]:
+    """Normalise (limit, window seconds) pairs; lists from JSON are accepted too."""
+    if not isinstance(quotas, tuple | list):
+        raise ValueError(f"quotas must be a sequence of (limit, window_seconds), got {quotas!r}")
+    checked: list[tuple[int, float]] = []
+    for entry in quotas:
+        if not isinstance(entry, tuple | list) or len(entry) != 2:
+            raise ValueError(f"quotas entries must be (limit, window_seconds), got {entry!r}")
+        limit, window = entry
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"quotas limit must be an int >= 1, got {limit!r}")
+        if not isinstance(window, int | float):
+            raise ValueError(f"quotas window_seconds must be a number, got {window!r}")
+        checked.append((limit, check_positive("quotas window_seconds", window)))
+    return tuple(checked)
+
+
+def parse_quota(spec: str) -> tuple[int, float]:
+    """``LIMIT/SECONDS`` as the CLI takes it, e.g. ``3000/3600``."""
+    limit_text, sep, window_text = spec.partition("/")
+    try:
+        if not sep:
+            raise ValueError
+        limit, window = int(limit_text), float(window_text)
+    except ValueError:
+        raise ValueError(f"quota must be LIMIT/SECONDS (e.g. 3000/3600), got {spec!r}") from None
+    return check_quotas([(limit, window)])[0]
 
 
 def check_rate(rate_per_second: float, burst: float) -> None:
@@ -47,8 +89,14 @@ class SandboxConfig:
     rate_per_second: float = 100.0
     burst: float = 10.0
     window: Window = "bucket"
+    # Length of the trailing window of the "sliding" limiter; the others ignore it.
+    window_seconds: float = 1.0
+    # (limit, window seconds): fixed windows aligned to the partner's start, on top of the
+    # rate limiter, like the hourly and daily quotas of real APIs.
+    quotas: tuple[tuple[int, float], ...] = ()
     retry_after_format: RetryAfterFormat = "seconds"
-    ratelimit_headers: bool = False
+    # A bool is still accepted (True was the only style before there were several).
+    ratelimit_headers: RateLimitHeaders = "none"
     honour_idempotency_keys: bool = True
     fault_5xx: float = 0.0
     fault_timeout_after_act: float = 0.0
@@ -72,6 +120,16 @@ class SandboxConfig:
         check_rate(self.rate_per_second, self.burst)
         if self.window not in WINDOWS:
             raise ValueError(f"window must be one of {WINDOWS}, got {self.window!r}")
+        check_positive("window_seconds", self.window_seconds)
+        object.__setattr__(self, "window_seconds", float(self.window_seconds))
+        object.__setattr__(self, "quotas", check_quotas(self.quotas))
+        headers: object = self.ratelimit_headers
+        if isinstance(headers, bool):
+            object.__setattr__(self, "ratelimit_headers", "ietf" if headers else "none")
+        elif headers not in RATELIMIT_HEADER_STYLES:
+            raise ValueError(
+                f"ratelimit_headers must be one of {RATELIMIT_HEADER_STYLES}, got {headers!r}"
+            )
         if self.retry_after_format not in RETRY_AFTER_FORMATS:
             raise ValueError(
                 f"retry_after_format must be one of {RETRY_AFTER_FORMATS}, "

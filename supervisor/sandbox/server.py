@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -37,9 +38,10 @@ async def run_sandbox(
     port: int = 0,
     *,
     access_log: bool = False,
+    clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[RunningSandbox]:
     """Serve a fresh sandbox until the block exits; port 0 picks a free port."""
-    app = create_app(config)
+    app = create_app(config, clock=clock)
     if access_log:
         runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT)
     else:

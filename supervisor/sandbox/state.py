@@ -24,6 +24,7 @@ from supervisor.sandbox.config import (
     check_rate,
 )
 from supervisor.sandbox.limits import Limiter, Quota, ceil_seconds, make_limiter
+from supervisor.sandbox.quotas import RATE_POLICY, Policy, QuotaSet
 
 ExecutionResult = Literal["deleted", "absent"]
 AfterActFault = Literal["timeout", "reset"]
@@ -42,6 +43,10 @@ _GARBAGE_KINDS: tuple[Callable[[], JSONItem], ...] = (
     lambda: "r-000001",
     lambda: None,
 )
+
+# A request sent before the client could have read a 429 is not the client ignoring it:
+# requests arriving this soon after an announcement are not counted against it.
+ANNOUNCE_GRACE_S = 0.05
 
 # Keys the control endpoint may change, and how each one is validated.
 _CONTROL_PROBABILITIES = ("fault_5xx", "fault_timeout_after_act", "fault_reset_after_act")
@@ -131,7 +136,7 @@ class IdempotencyStore:
 @dataclass(frozen=True, slots=True)
 class Refusal:
     retry_after: float
-    reason: Literal["paused", "rate_limited"]
+    reason: Literal["paused", "rate_limited", "quota_exceeded"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +151,8 @@ class Counters:
     unauthorized: int = 0
     rate_limited: int = 0
     requests_during_pause: int = 0
+    requests_during_announced_wait: int = 0
+    quota_limited: int = 0
     executions: int = 0
     deleted: int = 0
     absent_answers: int = 0
@@ -192,6 +199,30 @@ def build_listing(config: SandboxConfig, ids: list[str]) -> list[JSONItem]:
     ]
 
 
+class AnnouncedWaits:
+    """Whether a request arrives while a Retry-After the partner sent still holds.
+
+    Announcements come in clock order, so the ones still inside their grace period sit in
+    a short queue; once past it they only matter through the latest until-time of all.
+    """
+
+    def __init__(self, grace_s: float = ANNOUNCE_GRACE_S) -> None:
+        self.grace_s = grace_s
+        self._fresh: deque[tuple[float, float]] = deque()  # (announced at, until)
+        self.until: float | None = None
+
+    def announce(self, now: float, seconds: float) -> None:
+        self._fresh.append((now, now + seconds))
+
+    def holds_at(self, now: float) -> bool:
+        fresh = self._fresh
+        while fresh and now - fresh[0][0] > self.grace_s:
+            _, until = fresh.popleft()
+            if self.until is None or until > self.until:
+                self.until = until
+        return self.until is not None and now < self.until
+
+
 class SandboxState:
     def __init__(self, config: SandboxConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -203,9 +234,12 @@ class SandboxState:
         self.counters = Counters()
         self.idempotency = IdempotencyStore()
         self.log: list[Execution] = []
+        started = clock()
         self._limiter: Limiter = make_limiter(
-            config.window, config.rate_per_second, config.burst, clock()
+            config.window, config.rate_per_second, config.burst, started, config.window_seconds
         )
+        self._quotas = QuotaSet(config.quotas, started)
+        self._announced = AnnouncedWaits()
         self._pause_until: float | None = None
         self._executions_by_recipient: dict[str, int] = {}
         self._fault_rng = random.Random(f"{config.seed}:faults")
@@ -254,27 +288,50 @@ class SandboxState:
         return self._pause_until - now
 
     def admit(self, now: float) -> Refusal | None:
-        """Storm first, then the limiter; a refusal consumes nothing."""
+        """Storm first, then the limiter and every quota; a refusal consumes nothing."""
+        if self._announced.holds_at(now):
+            self.counters.requests_during_announced_wait += 1
         paused_for = self.pause_remaining(now)
         if paused_for > 0:
             self.counters.requests_during_pause += 1
             refusal = Refusal(paused_for, "paused")
         else:
-            wait = self._limiter.acquire(now)
-            if wait is None:
+            # Ask everyone before charging anyone, so a request one of them refuses
+            # leaves no trace in the others.
+            rate_wait = self._limiter.peek(now)
+            quota_wait = self._quotas.peek(now)
+            # The longest wait is the one to announce: retrying earlier meets another 429.
+            if quota_wait is not None and (rate_wait is None or quota_wait >= rate_wait):
+                self.counters.quota_limited += 1
+                refusal = Refusal(quota_wait, "quota_exceeded")
+            elif rate_wait is not None:
+                refusal = Refusal(rate_wait, "rate_limited")
+            else:
+                self._limiter.commit(now)
+                self._quotas.commit(now)
                 return None
-            refusal = Refusal(wait, "rate_limited")
         self.counters.rate_limited += 1
         self._observe(now)
         self._notify()
         return refusal
 
+    def note_announced(self, now: float, seconds: float) -> None:
+        """A 429 told the client to stay away for `seconds` from `now`."""
+        self._announced.announce(now, seconds)
+
     def quota(self, now: float) -> Quota | None:
+        """The rate limiter's own quota (a storm shows as nothing left until it ends)."""
         quota = self._limiter.quota(now)
         paused_for = self.pause_remaining(now)
         if quota is None or paused_for <= 0:
             return quota
         return Quota(quota.limit, quota.window_seconds, 0, ceil_seconds(paused_for))
+
+    def policies(self, now: float) -> list[Policy]:
+        """Every policy to advertise: the rate limiter's first, then each quota."""
+        rate = self.quota(now)
+        head = [] if rate is None else [Policy(RATE_POLICY, rate)]
+        return head + self._quotas.policies(now)
 
     # -- faults and execution ------------------------------------------------------
 
@@ -401,6 +458,8 @@ class SandboxState:
             "rate_limited": c.rate_limited,
             "requests": c.requests,
             "requests_during_pause": c.requests_during_pause,
+            "requests_during_announced_wait": c.requests_during_announced_wait,
+            "quota_limited": c.quota_limited,
             "pages_served": c.pages_served,
             "present": len(self._present),
             "max_rate_observed_1s": c.max_rate_observed_1s,

@@ -213,39 +213,84 @@ class PartnerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class QuotaConfig:
+    """A ``[[limits.quota]]`` entry: at most ``limit`` requests in any ``period_seconds``."""
+
+    limit: int = 0
+    period_seconds: float = 0.0
+    name: str = ""
+
+    def problems(self, key: str) -> list[str]:
+        out = []
+        if not self.limit > 0:
+            out.append(f"{key}.limit must be > 0, got {self.limit}")
+        if not self.period_seconds > 0:
+            out.append(f"{key}.period_seconds must be > 0, got {self.period_seconds}")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class LimitsConfig:
     # The documented partner limit: a ceiling the limiter never exceeds.
     rate_per_second: float = 20.0
+    # The most requests in flight; the in-flight limit follows the partner's latency below it.
     concurrency: int = 8
-    # Tokens the bucket may hold; small by default because a bucket as large as the rate
-    # lets about twice the limit through in one window (aiolimiter#298).
-    burst: float = 2.0
-    # On a 429: x this, of the success rate measured over the last two seconds.
+    # Tokens the bucket may hold: a little over one, so a late timer wake-up is caught up
+    # without ever sending two requests back to back (aiolimiter#298: a bucket as large as
+    # the rate lets about twice the limit through in one window).
+    burst: float = 1.25
+    # Pace this fraction under a limit we know (the ceiling, an announced one).
+    headroom: float = 0.01
+    # On a 429 below the top: x this of the throttled rate (squared when throttled again
+    # before the recovery got anywhere).
     decrease_factor: float = 0.8
-    # After a cut, the rate is back just below the throttled rate after this long, then
-    # probes above it; a partner with a per-minute window wants about 60.
+    # On a 429 at the known ceiling: trim the rate by this and pace strictly.
+    edge_trim: float = 0.03
+    # After a cut, back just below the throttled rate after this long; then a probe that
+    # reaches the ceiling after probe_seconds, twice as long after each probe that fails at
+    # the same level (at most max_probe_seconds). A per-minute window wants about 60.
     recovery_seconds: float = 8.0
-    # The least the rate climbs per second after a cut, however flat the curve.
-    increase_per_second: float = 2.0
+    probe_seconds: float = 12.0
+    max_probe_seconds: float = 600.0
     floor_per_second: float = 0.5
     # A Retry-After this long or longer is a pause the partner imposes (maintenance, a quota
     # window), not a rate signal: every worker waits, the rate is not cut. 0: every 429 cuts.
     long_pause_seconds: float = 0.0
+    # What a run learnt (per partner base URL) drifts back towards the ceiling this fast.
+    memory_half_life_seconds: float = 7 * 86400.0
+    quota: tuple[QuotaConfig, ...] = ()
+
+    @property
+    def quotas(self) -> tuple[QuotaConfig, ...]:
+        return tuple(q if q.name else dataclasses.replace(q, name=f"{q.period_seconds:g}s")
+                     for q in self.quota)
 
     def problems(self) -> list[str]:
-        out = _positive("limits", self, "rate_per_second", "concurrency",
-                        "increase_per_second", "floor_per_second", "recovery_seconds")
+        out = _positive("limits", self, "rate_per_second", "concurrency", "floor_per_second",
+                        "recovery_seconds", "probe_seconds", "max_probe_seconds",
+                        "memory_half_life_seconds")
         if self.long_pause_seconds < 0:
             out.append(f"limits.long_pause_seconds must be >= 0, got {self.long_pause_seconds}")
         # Every acquisition takes one whole token: a bucket that can never hold one would
         # make aiolimiter refuse every acquire (ValueError), crashing every worker.
         if not self.burst >= 1:
             out.append(f"limits.burst must be >= 1, got {self.burst}")
-        if not 0 < self.decrease_factor < 1:
-            out.append(f"limits.decrease_factor must be > 0 and < 1, got {self.decrease_factor}")
+        for name in ("decrease_factor",):
+            value = getattr(self, name)
+            if not 0 < value < 1:
+                out.append(f"limits.{name} must be > 0 and < 1, got {value}")
+        for name in ("headroom", "edge_trim"):
+            value = getattr(self, name)
+            if not 0 <= value < 0.5:
+                out.append(f"limits.{name} must be >= 0 and < 0.5, got {value}")
         if self.floor_per_second > self.rate_per_second > 0:
             out.append("limits.floor_per_second must be <= limits.rate_per_second, "
                        f"got {self.floor_per_second} > {self.rate_per_second}")
+        names = [q.name for q in self.quotas]
+        for i, q in enumerate(self.quota):
+            out += q.problems(f"limits.quota[{i}]")
+            if names.count(names[i]) > 1:
+                out.append(f"limits.quota[{i}].name {names[i]!r} is used twice")
         return out
 
 
@@ -400,8 +445,33 @@ def _read_secret(section: str, var: str, env: Mapping[str, str]) -> tuple[Secret
     return None, ""
 
 
+def _convert_tables(key: str, cls: type[Any], value: Any) -> tuple[Any, str]:
+    """An array of tables (``[[limits.quota]]``): each entry typed like a section."""
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        return None, f"{key} must be an array of tables ([[{key}]]), got {value!r}"
+    hints = typing.get_type_hints(cls)
+    items, problems = [], []
+    for i, table in enumerate(value):
+        kwargs = {}
+        for k, v in table.items():
+            if k not in hints:
+                problems.append(f"{key}[{i}].{k} is not a known key")
+                continue
+            converted, problem = _convert(f"{key}[{i}].{k}", hints[k], v)
+            if problem:
+                problems.append(problem)
+            else:
+                kwargs[k] = converted
+        items.append(cls(**kwargs))
+    if problems:
+        return None, "; ".join(problems)
+    return tuple(items), ""
+
+
 def _convert(key: str, hint: Any, value: Any) -> tuple[Any, str]:
     origin = typing.get_origin(hint)
+    if origin is tuple:
+        return _convert_tables(key, typing.get_args(hint)[0], value)
     if origin in (types.UnionType, typing.Union):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return _convert(key, args[0], value)

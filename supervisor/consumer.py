@@ -11,15 +11,28 @@ import time
 from collections.abc import Callable
 
 from supervisor import metrics
+from supervisor.budget.base import Feedback, Outcome, RateBudget
 from supervisor.config import Config
 from supervisor.errors import OperationBusy, StorageError
 from supervisor.ledger.base import Disposition, Ledger, Operation, Settlement
-from supervisor.limiter import AdaptiveLimiter
 from supervisor.partner import Answer, PartnerClient, Verdict
 from supervisor.queue.base import Delivery, Queue
 from supervisor.states import SETTLED, OpState
 
 log = logging.getLogger(__name__)
+
+
+_NOT_SENT = Answer(Verdict.TRANSIENT, None, "not sent: shutdown before the request left")
+
+
+def _feedback(answer: Answer) -> Feedback:
+    if answer.verdict in (Verdict.DELETED, Verdict.ABSENT):
+        outcome = Outcome.OK
+    elif answer.verdict is Verdict.THROTTLED:
+        outcome = Outcome.THROTTLED
+    else:
+        outcome = Outcome.OTHER
+    return Feedback(outcome, answer.elapsed_s, answer.retry_after_s, answer.policies)
 
 
 class Phase(enum.Enum):
@@ -29,19 +42,19 @@ class Phase(enum.Enum):
 
 
 class ConsumerPool:
-    """``limits.concurrency`` workers sharing one limiter and one HTTP pool.
+    """``limits.concurrency`` workers sharing one rate budget and one HTTP pool.
 
     :meth:`run` returns when :meth:`stop` has drained every worker. Stopping hands back at
     once every message whose request has not left, gives requests in the air until the
     grace period to finish, then cancels them and hands their messages back too.
     """
 
-    def __init__(self, config: Config, ledger: Ledger, queue: Queue, limiter: AdaptiveLimiter,
+    def __init__(self, config: Config, ledger: Ledger, queue: Queue, budget: RateBudget,
                  partner: PartnerClient, on_settled: Callable[[], None]) -> None:
         self.config = config
         self.ledger = ledger
         self.queue = queue
-        self.limiter = limiter
+        self.budget = budget
         self.partner = partner
         self._on_settled = on_settled
         self._stopping = asyncio.Event()
@@ -240,27 +253,40 @@ class ConsumerPool:
                 await asyncio.shield(self.queue.nack(delivery, 0.0))
                 return
             self._phases[task] = Phase.WAITING
+            # A pause or a spent quota is waited out before the attempt is written, so a
+            # long hold never leaves an attempt open.
+            await self.budget.ready()
+            # Writing the attempt is not cut short by a shutdown (it may commit all the
+            # same); the wait for the token after it is, and closes the attempt unsent.
+            self._phases[task] = Phase.SENDING
             try:
-                sent_at = await self.limiter.acquire()
-                # From writing the attempt on, this is a request in the air: a shutdown
-                # lets it finish within the grace instead of leaving an open attempt.
-                self._phases[task] = Phase.SENDING
                 attempt_id = await self.ledger.begin_attempt(
                     op.id, "delete", owner=delivery.lease_token, busy_s=self._busy_s,
                     supersedes_open=op.unfinished_attempt)
-                attempts += 1
-                answer = await self.partner.delete(op.recipient_id, op.id)
             except OperationBusy as exc:
                 # A second delivery of an operation another worker has in the air (its
                 # lease expired while it waited): come back when that attempt is over.
                 await self.queue.nack(delivery, max(0.0, exc.until - time.time()))
                 return
+            attempts += 1
+            self._phases[task] = Phase.WAITING
+            try:
+                # The token is the last wait before the request leaves: its timing, not a
+                # ledger commit's, is what the partner's limiter sees.
+                grant = await self.budget.acquire()
+            except asyncio.CancelledError:
+                # Shutdown before the request left: the attempt was written, never sent.
+                await self._settle(delivery, op, OpState.RETRY_WAIT, None, attempt_id,
+                                   _NOT_SENT, disposition=Disposition.RETRY, refund=True)
+                raise
+            # From here on a request is in the air: a shutdown lets it finish within the
+            # grace instead of leaving an open attempt.
+            self._phases[task] = Phase.SENDING
+            answer = await self.partner.delete(op.recipient_id, op.id)
+            self.budget.release(grant, _feedback(answer))
             self._record_answer(answer)
-            if answer.quota is not None:
-                self.limiter.on_quota(answer.quota.rate_per_second, answer.quota.exhausted_for_s)
             if answer.verdict is Verdict.THROTTLED:
-                # Not a failed attempt: pause everyone, keep the message, try again.
-                self.limiter.on_throttle(sent_at, answer.retry_after_s)
+                # Not a failed attempt: everyone is paused, the message kept, tried again.
                 await self._settle(delivery, op, OpState.RETRY_WAIT, None, attempt_id, answer,
                                    disposition=Disposition.KEEP, refund=True)
                 attempts -= 1
@@ -272,7 +298,6 @@ class ConsumerPool:
                         attempts: int, max_attempts: int) -> None:
         v = answer.verdict
         if v in (Verdict.DELETED, Verdict.ABSENT):
-            self.limiter.on_success()
             target = OpState.DELETED if v is Verdict.DELETED else OpState.ALREADY_ABSENT
             await self._settle(delivery, op, target, None, attempt_id, answer)
         elif v is Verdict.TERMINAL:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from supervisor.budget.base import Snapshot
 
 QUEUE_OLDEST_AGE = Gauge(
     "cleanup_queue_oldest_message_age_seconds",
@@ -16,6 +21,23 @@ LIMITER_PAUSED_UNTIL = Gauge(
     "Unix time until which a Retry-After holds every worker; 0 when not paused.")
 LIMITER_RATE = Gauge("cleanup_limiter_rate_per_second", "The current adaptive rate.")
 LIMITER_CEILING = Gauge("cleanup_limiter_ceiling_per_second", "The configured ceiling.")
+LIMITER_LEARNT = Gauge(
+    "cleanup_limiter_learnt_rate_per_second",
+    "The partner's limit the limiter learnt from 429s (its plateau); 0 when none.")
+LIMITER_ANNOUNCED = Gauge(
+    "cleanup_limiter_announced_rate_per_second",
+    "The per-second limit the partner announces in its rate-limit headers; 0 when none.")
+LIMITER_QUOTA_REMAINING = Gauge(
+    "cleanup_limiter_quota_remaining",
+    "Requests left in a quota longer than a second (configured or announced).", ["policy"])
+LIMITER_QUOTA_RESET = Gauge(
+    "cleanup_limiter_quota_reset_timestamp_seconds",
+    "Unix time when a quota's oldest use leaves its window.", ["policy"])
+LIMITER_CONCURRENCY = Gauge(
+    "cleanup_limiter_concurrency_limit", "Requests allowed in flight now (follows latency).")
+LIMITER_CONCURRENCY_BOUND = Gauge(
+    "cleanup_limiter_concurrency_bound",
+    "1 when limits.concurrency, not the rate, bounds the pace (rate x latency > it).")
 
 OPERATIONS = Counter("cleanup_operations", "Operations settled, by outcome.", ["outcome"])
 PARTNER_RESPONSES = Counter(
@@ -51,3 +73,18 @@ COMPONENT_RESTARTS = Counter(
     "cleanup_component_restarts", "Components restarted after a crash.", ["component"])
 LEDGER_HEALTHY = Gauge("cleanup_ledger_healthy", "1 when the ledger commits, 0 on a fault.")
 READY = Gauge("cleanup_ready", "1 when /readyz answers 200.")
+
+
+def publish_budget(snapshot: Snapshot) -> None:
+    """The rate budget's gauges, from one snapshot (the monitor calls this every second)."""
+    state = snapshot.state
+    LIMITER_RATE.set(state.rate)
+    LIMITER_CEILING.set(snapshot.ceiling)
+    LIMITER_PAUSED_UNTIL.set(state.paused_until)
+    LIMITER_LEARNT.set(state.w_max or 0.0)
+    LIMITER_ANNOUNCED.set(state.announced or 0.0)
+    LIMITER_CONCURRENCY.set(snapshot.concurrency_limit)
+    LIMITER_CONCURRENCY_BOUND.set(1 if snapshot.concurrency_bound else 0)
+    for quota in snapshot.quotas:
+        LIMITER_QUOTA_REMAINING.labels(quota.name).set(quota.remaining)
+        LIMITER_QUOTA_RESET.labels(quota.name).set(quota.resets_at)

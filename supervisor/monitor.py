@@ -8,8 +8,9 @@ import logging
 import time
 
 from supervisor import metrics
+from supervisor.budget.base import RateBudget
+from supervisor.errors import StorageError
 from supervisor.ledger.base import Ledger
-from supervisor.limiter import AdaptiveLimiter
 from supervisor.queue.base import Queue
 from supervisor.states import SETTLED, TERMINAL, OpState, RunState
 
@@ -21,17 +22,17 @@ REFRESH_S = 1.0
 class Monitor:
     """Wakes on every settlement (at most every 100 ms) and at least once a second."""
 
-    def __init__(self, ledger: Ledger, queue: Queue, limiter: AdaptiveLimiter,
+    def __init__(self, ledger: Ledger, queue: Queue, budget: RateBudget,
                  runs_changed: asyncio.Condition, digest_cutoff_s: float | None = None) -> None:
         self.digest_cutoff_s = digest_cutoff_s
         self.ledger = ledger
         self.queue = queue
-        self.limiter = limiter
+        self.budget = budget
         self.runs_changed = runs_changed
         self.settled = asyncio.Event()
 
     async def run(self) -> None:
-        metrics.LIMITER_CEILING.set(self.limiter.ceiling)
+        metrics.LIMITER_CEILING.set(self.budget.snapshot().ceiling)
         last_refresh = 0.0
         while True:
             with contextlib.suppress(TimeoutError):
@@ -42,6 +43,10 @@ class Monitor:
                 done = await self.ledger.finish_runs()
                 for run_id in done:
                     log.info("run %s done", run_id, extra={"run_id": run_id, "action": "run_done"})
+                if done:
+                    # What this run learnt about the partner is where the next one starts.
+                    with contextlib.suppress(StorageError):
+                        await self.budget.save()
                 async with self.runs_changed:
                     self.runs_changed.notify_all()
             if time.monotonic() - last_refresh >= REFRESH_S:
@@ -50,8 +55,8 @@ class Monitor:
             await asyncio.sleep(0.1)  # coalesce bursts of settlements into one pass
 
     async def refresh(self) -> None:
-        metrics.LIMITER_RATE.set(self.limiter.rate)
-        metrics.LIMITER_PAUSED_UNTIL.set(self.limiter.paused_until)
+        budget = self.budget.snapshot()
+        metrics.publish_budget(budget)
         metrics.LEDGER_HEALTHY.set(1 if self.ledger.healthy else 0)
         q = await self.queue.stats()
         metrics.QUEUE_DEPTH.set(q.depth)
@@ -75,4 +80,4 @@ class Monitor:
         if run.state is RunState.DONE or active == 0:
             metrics.RUN_PROJECTED_FINISH.set(0)
         else:
-            metrics.RUN_PROJECTED_FINISH.set(time.time() + active / max(self.limiter.rate, 1e-9))
+            metrics.RUN_PROJECTED_FINISH.set(budget.projected_finish(active, time.time()))

@@ -10,14 +10,17 @@ from __future__ import annotations
 import email.utils
 import enum
 import logging
+import math
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import quote
 
 import aiohttp
 from yarl import URL
 
+from supervisor.budget.base import Policy
 from supervisor.config import PartnerConfig
 
 log = logging.getLogger(__name__)
@@ -37,21 +40,13 @@ class Verdict(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Quota:
-    """What the partner announced with the IETF RateLimit / RateLimit-Policy headers."""
-
-    rate_per_second: float | None  # quota / window of the most restrictive policy
-    exhausted_for_s: float | None  # remaining is 0: seconds until the window resets
-
-
-@dataclass(frozen=True, slots=True)
 class Answer:
     verdict: Verdict
     status: int | None
     detail: str
     retry_after_s: float | None = None
     elapsed_s: float = 0.0
-    quota: Quota | None = None
+    policies: tuple[Policy, ...] = ()
 
 
 class Presence(enum.Enum):
@@ -98,39 +93,56 @@ def _number(value: str | None) -> float | None:
         number = float(value)
     except ValueError:
         return None
-    return number if number >= 0 and number == number else None
+    return number if number >= 0 and math.isfinite(number) else None
 
 
-def parse_quota(policy: str | None, state: str | None, remaining: str | None = None,
-                reset: str | None = None) -> Quota | None:
-    """Read the IETF rate-limit headers, in the current structured form
-    (``RateLimit-Policy: "default";q=100;w=1`` and ``RateLimit: "default";r=42;t=1``) or the
-    older draft's (``RateLimit-Policy: 100;w=60`` with ``RateLimit-Remaining`` /
-    ``RateLimit-Reset``). Unparseable parts are ignored: pacing then falls back to 429s.
+def parse_policies(headers: Mapping[str, str], now: float) -> tuple[Policy, ...]:
+    """The partner's rate-limit policies, from whichever header family it sends.
+
+    * IETF draft 10/11: ``RateLimit-Policy: "burst";q=100;w=1, "day";q=50000;w=86400``
+      (several policies in one field) and ``RateLimit: "day";r=12;t=3600``; also the older
+      drafts' ``RateLimit-Policy: 100;w=60`` with ``RateLimit-Remaining/-Reset``.
+    * ``X-RateLimit-Limit/-Remaining/-Reset``: one policy with no window. ``-Reset`` is
+      seconds until the reset, or a Unix time when it is that large (GitHub). No window is
+      sent: a reset at most a minute away makes it a pace (window = the reset, rounded up
+      to a second), anything longer a quota.
+
+    Unparseable parts are ignored: pacing then falls back to 429s.
     """
-    rate: float | None = None
-    for item in (policy or "").split(","):
+    out: dict[str, Policy] = {}
+    state: dict[str, tuple[float | None, float | None]] = {}
+    for item in headers.get("RateLimit", "").split(","):
+        if item.strip():
+            name = item.split(";")[0].strip().strip('"') or "default"
+            params = _params(item)
+            state[name] = (_number(params.get("r")), _number(params.get("t")))
+    old = (_number(headers.get("RateLimit-Remaining")), _number(headers.get("RateLimit-Reset")))
+    for i, item in enumerate(headers.get("RateLimit-Policy", "").split(",")):
         if not item.strip():
             continue
         params = _params(item)
         head = item.split(";")[0].strip()
-        quota = _number(params.get("q")) if "q" in params else _number(head)
+        if "q" in params:
+            name, quota = head.strip('"') or f"policy-{i}", _number(params.get("q"))
+        else:
+            name, quota = "default", _number(head)
         window = _number(params.get("w", "1"))
-        if quota is not None and window:
-            candidate = quota / window
-            rate = candidate if rate is None else min(rate, candidate)
-    exhausted: float | None = None
-    for item in (state or "").split(","):
-        params = _params(item)
-        r, t = _number(params.get("r")), _number(params.get("t"))
-        if r is not None and r < 1 and t is not None:
-            exhausted = t if exhausted is None else max(exhausted, t)
-    r_old, t_old = _number(remaining), _number(reset)
-    if r_old is not None and r_old < 1 and t_old is not None:
-        exhausted = t_old if exhausted is None else max(exhausted, t_old)
-    if rate is None and exhausted is None:
-        return None
-    return Quota(rate, exhausted)
+        if quota is None or not window:
+            continue
+        remaining, reset = state.get(name, old if "q" not in params else (None, None))
+        out[name] = Policy(name, int(quota), window,
+                           None if remaining is None else int(remaining), reset)
+    limit = _number(headers.get("X-RateLimit-Limit"))
+    if limit:
+        remaining = _number(headers.get("X-RateLimit-Remaining"))
+        reset = _number(headers.get("X-RateLimit-Reset"))
+        if reset is not None and reset > 1e9:  # a Unix time, not a delay
+            reset = max(0.0, reset - now)
+        # The window is not sent; a reset no further than a minute away makes this a pace.
+        window = max(1.0, math.ceil(reset)) if reset is not None and reset <= 60 else 86400.0
+        out["x-ratelimit"] = Policy("x-ratelimit", int(limit), window,
+                                    None if remaining is None else int(remaining), reset)
+    return tuple(out.values())
 
 
 def classify(status: int, retry_after_s: float | None) -> Verdict:
@@ -207,12 +219,11 @@ class PartnerClient:
                 if resp.headers.get("Idempotent-Replayed", "").lower() == "true":
                     detail += " (replayed)"
                 h = resp.headers
-                quota = None
-                if "RateLimit-Policy" in h or "RateLimit" in h or "RateLimit-Remaining" in h:
-                    quota = parse_quota(h.get("RateLimit-Policy"), h.get("RateLimit"),
-                                        h.get("RateLimit-Remaining"), h.get("RateLimit-Reset"))
+                policies: tuple[Policy, ...] = ()
+                if "RateLimit-Policy" in h or "X-RateLimit-Limit" in h:
+                    policies = parse_policies(h, time.time())
                 return Answer(verdict, resp.status, detail, retry_after,
-                              time.monotonic() - started, quota)
+                              time.monotonic() - started, policies)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # Never connected: the partner cannot have acted.
             return Answer(Verdict.TRANSIENT, None, f"connect failed: {type(exc).__name__}",

@@ -16,9 +16,9 @@ import logging
 import time
 
 from supervisor import metrics
+from supervisor.budget.base import Feedback, Outcome, RateBudget
 from supervisor.config import PartnerConfig
 from supervisor.ledger.base import Ledger, Operation
-from supervisor.limiter import AdaptiveLimiter
 from supervisor.partner import PartnerClient, Presence
 from supervisor.queue.base import Message, Queue
 from supervisor.states import OpState
@@ -38,11 +38,11 @@ RESOLUTIONS: dict[str, OpState] = {
 
 class Reconciler:
     def __init__(self, config: PartnerConfig, ledger: Ledger, queue: Queue,
-                 limiter: AdaptiveLimiter, partner: PartnerClient) -> None:
+                 budget: RateBudget, partner: PartnerClient) -> None:
         self.config = config
         self.ledger = ledger
         self.queue = queue
-        self.limiter = limiter
+        self.budget = budget
         self.partner = partner
         self.wakeup = asyncio.Event()
 
@@ -61,8 +61,13 @@ class Reconciler:
 
     async def probe(self, op: Operation) -> Presence:
         # Probes spend the same budget as deletions: a partner may count every request.
-        await self.limiter.acquire()
-        presence, detail = await self.partner.probe(op.recipient_id)
+        await self.budget.ready()
+        grant = await self.budget.acquire()
+        try:
+            presence, detail = await self.partner.probe(op.recipient_id)
+        finally:
+            # A probe's answer is no rate signal: a 404 here means "deleted", not "paced".
+            self.budget.release(grant, Feedback(Outcome.OTHER))
         metrics.PROBES.labels(presence.value).inc()
         if presence is Presence.ABSENT:
             await self.ledger.record_evidence(

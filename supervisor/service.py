@@ -18,13 +18,13 @@ from typing import Any, TextIO
 from aiohttp import web
 
 from supervisor import metrics
+from supervisor.budget.local import LocalBudget
 from supervisor.config import Config
 from supervisor.consumer import ConsumerPool
 from supervisor.errors import StartupError, StorageError, TooManyCrashes
 from supervisor.http import ApiState, create_app
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
-from supervisor.limiter import AdaptiveLimiter
 from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient
 from supervisor.queue.sqlite import SqliteQueue
@@ -107,19 +107,20 @@ class Service:
         ledger = SqliteLedger(db, owns_queue=True)
         released = await queue.recover_leases()
         await ledger.release_dead_owners()
-        limiter = AdaptiveLimiter(c.limits)
+        budget = self.budget = LocalBudget(c.limits, key=c.partner.base_url, store=ledger)
+        await budget.start()
         partner = PartnerClient(c.partner, c.limits.concurrency)
         await partner.start()
         runs_changed = asyncio.Condition()
         scan_wakeup = asyncio.Event()
         publish_wakeup = asyncio.Event()
-        monitor = Monitor(ledger, queue, limiter, runs_changed, c.schedule.digest_cutoff_seconds)
+        monitor = Monitor(ledger, queue, budget, runs_changed, c.schedule.digest_cutoff_seconds)
         scanner = Scanner(c, ledger, scan_wakeup, publish_wakeup)
         publisher = Publisher(ledger, queue, publish_wakeup)
         opener = RunOpener(c, ledger, scan_wakeup)
-        reconciler = Reconciler(c.partner, ledger, queue, limiter, partner)
+        reconciler = Reconciler(c.partner, ledger, queue, budget, partner)
         redriver = Redriver(c.queue, ledger, queue)
-        pool = self.pool = ConsumerPool(c, ledger, queue, limiter, partner,
+        pool = self.pool = ConsumerPool(c, ledger, queue, budget, partner,
                                         on_settled=monitor.settled.set)
 
         def ready() -> tuple[bool, dict[str, bool]]:
@@ -130,7 +131,7 @@ class Service:
             return ok, checks
 
         api = ApiState(config=c, ledger=ledger, opener=opener, reconciler=reconciler, ready=ready,
-                       runs_changed=runs_changed, current_rate=lambda: limiter.rate)
+                       runs_changed=runs_changed, current_rate=lambda: budget.snapshot().rate)
         runner = web.AppRunner(create_app(api), access_log=None, handle_signals=False)
         await runner.setup()
         try:
@@ -183,6 +184,8 @@ class Service:
             tasks["monitor"].cancel()
         with contextlib.suppress(Exception):
             await ledger.finish_runs()
+        with contextlib.suppress(Exception):
+            await budget.save()  # what was learnt, a pause in force: the next life starts there
         # 4. close outward connections, then the ledger (it flushes pending writes)
         await runner.cleanup()
         await partner.close()

@@ -186,4 +186,10 @@ class Ledger(Protocol):
 
     async def stats(self) -> LedgerStats: ...
 
+    async def load_budget(self, key: str) -> dict[str, Any] | None:
+        """What the rate budget saved for ``key`` (a partner's base URL), if anything."""
+
+    async def save_budget(self, key: str, data: dict[str, Any]) -> None:
+        """Replace what is saved for ``key``; durable when the call returns."""
+
     async def close(self) -> None: ...

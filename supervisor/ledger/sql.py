@@ -71,6 +71,14 @@ CREATE TABLE IF NOT EXISTS messages (
     enqueued_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS messages_available ON messages(available_at);
+
+-- What the rate budget learnt about one partner (by base URL): its limit, a pause in
+-- force, quota use. JSON, small, rewritten after each cut and at the end of each run.
+CREATE TABLE IF NOT EXISTS budget_memory (
+    key TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    updated_at REAL NOT NULL
+);
 """
 
 PRAGMAS = (
@@ -266,4 +274,10 @@ RELEASE_DEAD_OWNERS = (
 )
 SELECT_MISSING_MESSAGES = (
     "SELECT value FROM json_each(?) WHERE value NOT IN (SELECT operation_id FROM messages)"
+)
+
+SELECT_BUDGET = "SELECT state FROM budget_memory WHERE key = ?"
+UPSERT_BUDGET = (
+    "INSERT INTO budget_memory (key, state, updated_at) VALUES (?, ?, ?) "
+    "ON CONFLICT (key) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at"
 )

@@ -394,6 +394,24 @@ class SqliteLedger:
         return LedgerStats(by_state=by_state, current_run=current,
                            current_run_by_state=current_counts)
 
+    async def load_budget(self, key: str) -> dict[str, Any] | None:
+        row = await self.db.read_one(sql.SELECT_BUDGET, (key,))
+        if row is None:
+            return None
+        try:
+            data = orjson.loads(row[0])
+        except orjson.JSONDecodeError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    async def save_budget(self, key: str, data: dict[str, Any]) -> None:
+        blob = orjson.dumps(data).decode()
+
+        async def write(conn: aiosqlite.Connection) -> None:
+            await conn.execute(sql.UPSERT_BUDGET, (key, blob, time.time()))
+
+        await self.db.write(write)
+
     async def close(self) -> None:
         await self.db.close()
 

@@ -39,7 +39,7 @@ async def test_429_storm_pauses_every_worker_and_lowers_the_rate(e2e, retry_afte
                                 "--retry-after-format", retry_after_format)
     svc = e2e.service(sandbox, {"limits": {"rate_per_second": CEILING,
                                            "concurrency": CONCURRENCY,
-                                           "decrease_factor": 0.5, "increase_per_second": 1.0}})
+                                           "decrease_factor": 0.5, "probe_seconds": 60.0}})
     await svc.start()
     run_id = await svc.open_run()
     await sandbox.wait(executions=int(POPULATION * 0.3))
@@ -92,7 +92,7 @@ async def test_ratelimit_headers_set_the_pace_after_the_first_wave(e2e):
                                 "--latency-ms", 300, "--ratelimit-headers")
     # A slow climb back after a cut, so a cut shows in the rate at the end of the run.
     svc = e2e.service(sandbox, {"limits": {"rate_per_second": 1000.0, "concurrency": workers,
-                                           "increase_per_second": 0.1}})
+                                           "probe_seconds": 600.0}})
     await svc.start()
     run_id = await svc.open_run()
     run = await svc.wait_done(run_id)
@@ -102,7 +102,8 @@ async def test_ratelimit_headers_set_the_pace_after_the_first_wave(e2e):
     assert 1 <= stats["rate_limited"] <= workers, stats
     assert stats["max_rate_observed_1s"] <= announced + 10, stats
     m = await svc.metrics()
-    assert m.value("cleanup_limiter_rate_per_second") == announced
+    # Paced by the announcement, a little under it (limits.headroom, 1 % by default).
+    assert m.value("cleanup_limiter_rate_per_second") == pytest.approx(announced * 0.99)
 
 
 async def test_an_unannounced_limit_is_learned_from_429s(e2e):

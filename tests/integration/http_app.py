@@ -15,7 +15,7 @@ from supervisor.config import Config
 from supervisor.http import ApiState, create_app
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
-from supervisor.limiter import AdaptiveLimiter
+from supervisor.budget.local import LocalBudget
 from supervisor.partner import PartnerClient
 from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
@@ -61,14 +61,14 @@ async def running_api(cfg: Config) -> AsyncIterator[Api]:
     await db.open()
     queue = SqliteQueue(db)
     ledger = SqliteLedger(db, owns_queue=True)
-    limiter = AdaptiveLimiter(cfg.limits)
+    limiter = LocalBudget(cfg.limits, key="test")
     partner = PartnerClient(cfg.partner, cfg.limits.concurrency)
     scan_wakeup = asyncio.Event()
     opener = RunOpener(cfg, ledger, scan_wakeup)
     reconciler = Reconciler(cfg.partner, ledger, queue, limiter, partner)
     state = ApiState(config=cfg, ledger=ledger, opener=opener, reconciler=reconciler,
                      ready=lambda: (True, {"ledger": True}), runs_changed=asyncio.Condition(),
-                     current_rate=lambda: limiter.rate)
+                     current_rate=lambda: limiter.snapshot().rate)
     client: TestClient[object, object] = TestClient(TestServer(create_app(state),
                                                                host="127.0.0.1", port=0))
     await client.start_server()

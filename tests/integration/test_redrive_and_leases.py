@@ -4,6 +4,7 @@ partner simulator on loopback."""
 from __future__ import annotations
 
 import asyncio
+import time
 import sqlite3
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from supervisor.consumer import ConsumerPool
 from supervisor.errors import StorageError
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
-from supervisor.limiter import AdaptiveLimiter
+from supervisor.budget.local import LocalBudget
 from supervisor.partner import PartnerClient
 from supervisor.queue.base import Message, QueueStats
 from supervisor.queue.sqlite import SqliteQueue
@@ -98,8 +99,8 @@ async def test_a_worker_held_past_its_lease_by_a_pause_keeps_its_message(
                         partner=PartnerConfig(base_url=sandbox.url),
                         limits=LimitsConfig(rate_per_second=100, concurrency=2))
         run_id = await _queued_run(ledger, queue, ["r-000001"])
-        limiter = AdaptiveLimiter(config.limits)
-        limiter.pause(1.5)
+        limiter = LocalBudget(config.limits, key="test")
+        limiter.pause(time.time() + 1.5, "test")
         partner = PartnerClient(config.partner, 2)
         await partner.start()
         settled = asyncio.Event()

@@ -35,7 +35,7 @@ def test_defaults_load_without_a_file() -> None:
     cfg = config.load(None, environ=TOKEN_ENV)
     assert cfg == dataclasses.replace(Config(), trigger=cfg.trigger)
     assert cfg.limits.rate_per_second == 20.0
-    assert cfg.limits.burst == 2.0
+    assert cfg.limits.burst == 1.25
     assert cfg.service.host == "127.0.0.1"
     assert cfg.service.port == 8080
     assert cfg.ledger_path == Path("./var") / "cleanup.sqlite3"

@@ -57,7 +57,7 @@ FAULT_DEFAULTS: Sections = {
     "partner": {"backoff_initial_seconds": 0.05, "backoff_max_seconds": 0.5,
                 "max_attempts": 30, "probe_settle_seconds": 0.5,
                 "probe_interval_seconds": 0.2},
-    "limits": {"increase_per_second": 50.0},
+    "limits": {"probe_seconds": 1.0},
 }
 
 

@@ -1,0 +1,1 @@
+"""The rate budget: the adaptive policy, and the budgets that hold its state."""

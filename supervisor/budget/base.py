@@ -1,0 +1,131 @@
+"""The rate budget protocol: what the consumer, the reconciler and the monitor may ask of it.
+
+An implementation paces every request of every worker (and, later, of every replica)
+through one adaptive rate, one pause and one set of quotas. The in-process one is
+:class:`supervisor.budget.local.LocalBudget`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from supervisor.budget.policy import BudgetState
+
+
+class Outcome(enum.Enum):
+    OK = "ok"  # the partner accepted the request (2xx, 404)
+    THROTTLED = "throttled"  # 429
+    OTHER = "other"  # an error, a timeout, a probe: no rate signal
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """One rate-limit policy the partner announced (or the configuration declares)."""
+
+    name: str
+    limit: int
+    window_s: float
+    remaining: int | None = None
+    reset_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Feedback:
+    """What one answer tells the budget."""
+
+    outcome: Outcome
+    latency_s: float = 0.0
+    retry_after_s: float | None = None
+    policies: tuple[Policy, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Permission for one request; hand it back with :meth:`RateBudget.release`."""
+
+    at: float  # wall clock of the grant: which cut the answer belongs to
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaView:
+    name: str
+    limit: int
+    window_s: float
+    remaining: int
+    resets_at: float  # wall clock; 0 when nothing is used
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The budget at one instant, for metrics, the API and projections."""
+
+    state: BudgetState
+    ceiling: float
+    concurrency_limit: int
+    concurrency_max: int
+    in_flight: int
+    latency_s: float | None
+    quotas: tuple[QuotaView, ...] = field(default_factory=tuple)
+
+    @property
+    def rate(self) -> float:
+        return self.state.rate
+
+    @property
+    def paused_until(self) -> float:
+        return self.state.paused_until
+
+    @property
+    def concurrency_bound(self) -> bool:
+        """The configured maximum in flight, not the rate, bounds the pace (Little's law)."""
+        if self.latency_s is None:
+            return False
+        return self.state.rate * self.latency_s > self.concurrency_max
+
+    def projected_finish(self, remaining_ops: int, now: float) -> float:
+        """When ``remaining_ops`` more requests will have been sent, given the rate, a
+        pause in force and every quota's remaining allowance and reset."""
+        if remaining_ops <= 0:
+            return now
+        start = max(now, self.state.paused_until)
+        finish = start + remaining_ops / max(self.state.rate, 1e-9)
+        for q in self.quotas:
+            beyond = remaining_ops - q.remaining
+            if beyond <= 0 or q.limit <= 0:
+                continue
+            # Each further window lets ``limit`` more through after its reset.
+            windows = (beyond - 1) // q.limit
+            last = max(start, q.resets_at) + windows * q.window_s
+            finish = max(finish, last + (beyond - windows * q.limit) / max(self.state.rate, 1e-9))
+        return finish
+
+
+class RateBudget(Protocol):
+    """One budget for every request to one partner."""
+
+    async def start(self) -> None:
+        """Load what an earlier life learnt (rate, pause, quota use)."""
+
+    async def ready(self) -> None:
+        """Wait while every worker is held (a Retry-After pause, an exhausted quota).
+
+        Returns at once otherwise. Call it before committing to a request (before the
+        attempt is written), so a long hold does not keep an attempt open.
+        """
+
+    async def acquire(self) -> Grant:
+        """Wait for a concurrency slot, the pause and quotas, then a token; the request
+        should leave right after. Cancellation takes nothing."""
+
+    def release(self, grant: Grant, feedback: Feedback) -> None:
+        """The answer to a granted request: frees its slot and feeds the policy."""
+
+    def pause(self, until: float, reason: str) -> None:
+        """Hold every worker until the wall-clock time ``until``."""
+
+    def snapshot(self) -> Snapshot: ...
+
+    async def save(self) -> None:
+        """Persist what was learnt (at the end of a run and at shutdown)."""

@@ -1,0 +1,265 @@
+"""The in-process rate budget: the policy's state, an aiolimiter bucket, the concurrency
+limit and the quotas, for every worker of one process.
+
+aiolimiter cannot change its rate at runtime (aiolimiter#98), so :func:`tune_bucket` sets
+the bucket's rate and capacity in place and re-arms its timer, so waiters already queued
+drain at the new rate; it is the one place that touches aiolimiter's internals, and
+tests/unit/test_budget_local.py guards it against them changing.
+
+Pacing modes: *tolerant* (capacity ``limits.burst``, a little over one token) catches up
+after a late wake-up, so the average is the rate even with the event loop's millisecond
+timers; *strict* (capacity 1, once the partner refused a request at the top) never lets
+two requests closer than 1/rate, at the price of the wake-up lateness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from aiolimiter import AsyncLimiter
+
+from supervisor.budget import policy
+from supervisor.budget.base import Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
+from supervisor.budget.concurrency import GradientLimit
+from supervisor.budget.policy import BudgetState, PolicyConfig
+from supervisor.budget.quota import RollingQuota
+from supervisor.config import LimitsConfig
+
+log = logging.getLogger(__name__)
+
+# A rate policy with a window this long or shorter is a pace; longer, a quota to spend.
+PACE_WINDOW_S = 60.0
+
+
+class MemoryStore(Protocol):
+    async def load_budget(self, key: str) -> dict[str, Any] | None: ...
+
+    async def save_budget(self, key: str, data: dict[str, Any]) -> None: ...
+
+
+def tune_bucket(bucket: AsyncLimiter, rate: float, capacity: float, empty: bool = False) -> None:
+    """Set ``bucket`` to ``rate`` per second and ``capacity`` tokens in place; ``empty``
+    leaves no token, so the next grant waits a full period."""
+    bucket._leak()
+    bucket.max_rate = capacity
+    bucket.time_period = capacity / rate
+    bucket._rate_per_sec = rate
+    if empty:
+        bucket._level = capacity
+    else:
+        bucket._level = min(bucket._level, capacity)
+    bucket._wake_next()  # re-arm the timer of the waiter at the head with the new rate
+
+
+class LocalBudget:
+    """The budget of one process. Construct it anywhere; it binds to the loop on first use."""
+
+    def __init__(self, limits: LimitsConfig, key: str, store: MemoryStore | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cfg = PolicyConfig.from_limits(limits)
+        self.key = key
+        self.burst = limits.burst
+        self._store = store
+        self._clock = clock
+        self._state = policy.initial(self.cfg)
+        self._bucket: AsyncLimiter | None = None
+        self._changed: asyncio.Event | None = None
+        self._emptied_for = 0.0  # the pause whose end has emptied the bucket
+        self._concurrency = GradientLimit(limits.concurrency)
+        self._in_flight = 0
+        self._slot_free: asyncio.Event | None = None
+        self._quotas = [RollingQuota(q.name, q.limit, q.period_seconds) for q in limits.quotas]
+        self._announced: dict[str, Policy] = {}  # the partner's longer policies, by name
+        self._announced_at = 0.0
+        self._saving: asyncio.Task[None] | None = None
+        self._bound_logged = False
+
+    # -- persistence -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._store is None:
+            return
+        data = await self._store.load_budget(self.key)
+        if not data:
+            return
+        now = self._clock()
+        try:
+            memory = BudgetState.from_dict(data.get("state", {}))
+        except (TypeError, ValueError):
+            log.warning("budget memory for %s unreadable; starting fresh", self.key)
+            return
+        self._set(policy.remembered(self.cfg, memory, now))
+        for quota in self._quotas:
+            quota.restore(data.get("quotas", {}).get(quota.name), now)
+        log.info("budget for %s starts at %.1f/s (learnt %s, paused until %s)", self.key,
+                 self._state.rate, _fmt(memory.w_max), _fmt(self._state.paused_until or None),
+                 extra={"action": "budget_remembered"})
+
+    async def save(self) -> None:
+        if self._store is None:
+            return
+        if self._saving is not None and self._saving is not asyncio.current_task():
+            await asyncio.wait([self._saving])  # let a save in progress land first
+        data = {"state": self._state.to_dict(),
+                "quotas": {q.name: q.to_list() for q in self._quotas}}
+        await self._store.save_budget(self.key, data)
+
+    def _save_soon(self) -> None:
+        if self._store is None or (self._saving is not None and not self._saving.done()):
+            return
+
+        async def save() -> None:
+            try:
+                await self.save()
+            except Exception as exc:  # a fault the ledger reports itself; memory is best effort
+                log.debug("could not save budget memory: %s", exc)
+
+        self._saving = asyncio.get_running_loop().create_task(save(), name="budget-save")
+
+    # -- pacing ----------------------------------------------------------------------
+
+    def _ensure(self) -> tuple[AsyncLimiter, asyncio.Event, asyncio.Event]:
+        if self._bucket is None or self._changed is None or self._slot_free is None:
+            self._bucket = AsyncLimiter(self._capacity(), self._capacity() / self._state.rate)
+            self._changed = asyncio.Event()
+            self._slot_free = asyncio.Event()
+        return self._bucket, self._changed, self._slot_free
+
+    def _capacity(self) -> float:
+        return 1.0 if self._state.strict else self.burst
+
+    def _held_until(self, now: float) -> tuple[float, str]:
+        until, reason = self._state.paused_until, self._state.pause_reason
+        for q in self._quotas:
+            at = q.available_at(now)
+            if at > until:
+                until, reason = at, f"quota {q.name} exhausted"
+        return (until, reason) if until > now else (0.0, "")
+
+    async def ready(self) -> None:
+        _, changed, _ = self._ensure()
+        held = False
+        while (until := self._held_until(self._clock())[0]) > 0:
+            held = True
+            changed.clear()
+            # Wake at the deadline, or earlier if the hold is extended or lifted.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, until - self._clock())):
+                    await changed.wait()
+        if held and self._emptied_for != self._state.paused_until:
+            # The waiters must not burst the moment the hold ends.
+            self._emptied_for = self._state.paused_until
+            self._tune(empty=True)
+
+    async def acquire(self) -> Grant:
+        bucket, _, slot_free = self._ensure()
+        # The slot first, the token last: the token's timing is what the partner sees.
+        while self._in_flight >= self._concurrency.value:
+            slot_free.clear()
+            await slot_free.wait()
+        self._in_flight += 1
+        try:
+            while True:
+                await self.ready()
+                await bucket.acquire()
+                now = self._clock()
+                if not self._held_until(now)[0]:
+                    break
+                # A hold began while we waited for the token: the token is forfeit.
+            for q in self._quotas:
+                q.take(now)
+            return Grant(at=now)
+        except BaseException:
+            self._free_slot()
+            raise
+
+    def _free_slot(self) -> None:
+        self._in_flight -= 1
+        if self._slot_free is not None:
+            self._slot_free.set()
+
+    def release(self, grant: Grant, feedback: Feedback) -> None:
+        self._free_slot()
+        now = self._clock()
+        if feedback.policies:
+            self._learn(feedback.policies, now)
+        if feedback.outcome is Outcome.OK:
+            self._concurrency.sample(feedback.latency_s, self._state.rate, self._in_flight + 1)
+            self._bound_check()
+            self._set(policy.step(self.cfg, self._state, policy.Success(), now))
+        elif feedback.outcome is Outcome.THROTTLED:
+            before = self._state
+            self._set(policy.step(self.cfg, before,
+                                  policy.Throttle(grant.at, feedback.retry_after_s), now))
+            if self._state.paused_until != before.paused_until:
+                self._tune(empty=True)
+            if (self._state.w_max, self._state.paused_until) != (before.w_max, before.paused_until):
+                self._save_soon()
+
+    def pause(self, until: float, reason: str) -> None:
+        before = self._state.paused_until
+        self._set(policy.step(self.cfg, self._state, policy.Pause(until, reason), self._clock()))
+        if self._state.paused_until != before:
+            self._tune(empty=True)
+            self._save_soon()
+
+    def _learn(self, policies: tuple[Policy, ...], now: float) -> None:
+        paces = [p.limit / p.window_s for p in policies if p.window_s <= PACE_WINDOW_S]
+        self._set(policy.step(self.cfg, self._state,
+                              policy.Announce(min(paces) if paces else None), now))
+        for p in policies:
+            if p.window_s > PACE_WINDOW_S or not paces:
+                self._announced[p.name] = p
+                self._announced_at = now
+                # Spent: everyone waits for the reset. Pacing by a short policy keeps its
+                # remaining near 0 all the time, so only longer ones (or a lone one) hold.
+                if p.remaining is not None and p.remaining < 1 and p.reset_s:
+                    self.pause(now + p.reset_s, f"quota {p.name} exhausted")
+
+    def _bound_check(self) -> None:
+        latency = self._concurrency.base
+        bound = latency is not None and self._state.rate * latency > self._concurrency.maximum
+        if bound and not self._bound_logged:
+            log.warning("limits.concurrency = %d bounds the pace: %.1f/s at %.0f ms needs %d "
+                        "in flight", self._concurrency.maximum, self._state.rate,
+                        1000 * (self._concurrency.base or 0.0),
+                        math.ceil(self._state.rate * (self._concurrency.base or 0.0)),
+                        extra={"action": "concurrency_bound"})
+        self._bound_logged = bound
+
+    def _set(self, state: BudgetState) -> None:
+        old, self._state = self._state, state
+        if old.paused_until != state.paused_until and self._changed is not None:
+            self._changed.set()
+        if (old.rate, old.strict) != (state.rate, state.strict):
+            self._tune()
+
+    def _tune(self, empty: bool = False) -> None:
+        if self._bucket is not None:
+            tune_bucket(self._bucket, self._state.rate, self._capacity(), empty)
+
+    def snapshot(self) -> Snapshot:
+        now = self._clock()
+        views = [QuotaView(q.name, q.limit, q.window_s, q.remaining(now), q.resets_at(now))
+                 for q in self._quotas]
+        age = now - self._announced_at
+        for p in self._announced.values():
+            if p.remaining is None or p.reset_s is None or age > p.reset_s:
+                continue
+            views.append(QuotaView(p.name, p.limit, p.window_s, p.remaining,
+                                   self._announced_at + p.reset_s))
+        return Snapshot(state=self._state, ceiling=self.cfg.ceiling,
+                        concurrency_limit=self._concurrency.value,
+                        concurrency_max=self._concurrency.maximum, in_flight=self._in_flight,
+                        latency_s=self._concurrency.base, quotas=tuple(views))
+
+
+def _fmt(value: float | None) -> str:
+    return "nothing" if value is None else f"{value:.1f}"
+

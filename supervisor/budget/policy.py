@@ -1,0 +1,268 @@
+"""The adaptive rate policy: a pure state machine, ``step(config, state, event, now) -> state``.
+
+No clock, no I/O, no asyncio: time is an argument (wall-clock seconds, so a state written
+by one process or before a restart means the same thing when read back), and the state is
+a small frozen record that serialises to JSON. The in-process budget holds one; a budget
+shared by several replicas can hold the same record in a database row.
+
+The policy, and why:
+
+* **Never above the ceiling** (the documented limit) nor above what the partner announces
+  in ``RateLimit-Policy`` / ``X-RateLimit-*``. Below a limit it *knows*, it paces
+  ``headroom`` under it, so a partner bucket that is exactly as large as our average never
+  empties on jitter.
+* **A 429 at the top is an edge, not a lower limit.** When we were pacing at the known
+  ceiling and have not been throttled recently, the partner's limit is right here and our
+  requests arrived too close together for it (a token bucket of 1, a strict GCRA): the
+  rate is trimmed by ``edge_trim``, and pacing turns *strict* (no catch-up bursts after a
+  late wake-up). A deep cut here would cost a third of the run for nothing.
+* **Elsewhere a 429 cuts multiplicatively**: to ``decrease_factor`` of the rate that was
+  throttled, or to half of it when the throttle came before the recovery got anywhere
+  (the limit is far below: a partner that dropped to a quarter must be followed within
+  seconds). Measuring the partner's acceptance rate does not work here: we pause on every
+  Retry-After, so what succeeded before the 429 is just our own pace.
+* **Recovery is CUBIC-shaped**: concave back to ``W_max`` (just under the rate that was
+  throttled) within ``recovery_s``, flat there, then a convex probe towards the ceiling
+  that takes ``probe_s``. A probe that fails at the same level as the last one confirms
+  the limit: the next probe takes twice as long (up to ``max_probe_s``), so a partner
+  whose limit is stable is probed ever more rarely, while a limit that moved is found.
+* **One cut per episode**: a 429 for a request granted before the last cut was sent at
+  the old rate and is already accounted for.
+* **Retry-After pauses everyone** until then (the caller applies it to every worker). A
+  pause of ``long_pause_s`` or more (0 = never) is the partner's own pause (maintenance,
+  a window), not a rate signal: the rate is kept.
+* **Memory**: :func:`remembered` starts a new run from what an earlier one learnt, capped
+  by the ceiling and drifting back towards it with ``half_life_s``; a pause in force is
+  kept, so a restart during a 900 s pause sends nothing before it ends.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from supervisor.config import LimitsConfig
+
+# W_max sits this far under the rate that was throttled: the partner let that rate through
+# for a while (its bucket), so it overstates the limit a little.
+PLATEAU = 0.95
+# Two failed probes within this fraction of each other are one limit confirmed.
+SAME_LEVEL = 0.1
+# "At the top": pacing within this fraction of the highest rate allowed.
+AT_TOP = 0.98
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    ceiling: float
+    floor: float
+    headroom: float
+    decrease_factor: float
+    edge_trim: float
+    recovery_s: float
+    probe_s: float
+    max_probe_s: float
+    long_pause_s: float
+    half_life_s: float
+
+    @classmethod
+    def from_limits(cls, limits: LimitsConfig) -> PolicyConfig:
+        return cls(
+            ceiling=limits.rate_per_second,
+            floor=min(limits.floor_per_second, limits.rate_per_second),
+            headroom=limits.headroom,
+            decrease_factor=limits.decrease_factor,
+            edge_trim=limits.edge_trim,
+            recovery_s=limits.recovery_seconds,
+            probe_s=limits.probe_seconds,
+            max_probe_s=max(limits.probe_seconds, limits.max_probe_seconds),
+            long_pause_s=limits.long_pause_seconds,
+            half_life_s=limits.memory_half_life_seconds,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetState:
+    """Everything the policy knows. Times are wall-clock seconds; 0 means never."""
+
+    rate: float
+    w_max: float | None = None  # the learnt limit: the plateau of the recovery
+    cut_to: float = 0.0
+    cut_at: float = 0.0
+    probe_s: float = 0.0
+    strict: bool = False  # the partner refuses any early arrival: no catch-up bursts
+    announced: float | None = None  # per-second limit from the partner's headers
+    paused_until: float = 0.0
+    pause_reason: str = ""
+    throttles: int = 0
+    learnt_at: float = 0.0  # when w_max was last confirmed or lowered
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BudgetState:
+        fields = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+@dataclass(frozen=True, slots=True)
+class Success:
+    """A request the partner accepted (or answered 404)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Throttle:
+    """A 429 for a request granted at ``sent_at``."""
+
+    sent_at: float
+    retry_after_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Announce:
+    """The partner's per-second limit from its rate-limit headers (None: no short policy)."""
+
+    rate: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Hold every worker until ``until`` (a quota window, an operator, a restart)."""
+
+    until: float
+    reason: str
+
+
+Event = Success | Throttle | Announce | Pause
+
+
+def top(cfg: PolicyConfig, s: BudgetState) -> float:
+    """The highest rate allowed: the ceiling, lowered to the partner's announcement."""
+    limit = cfg.ceiling if s.announced is None else min(cfg.ceiling, s.announced)
+    return max(cfg.floor, _paced(cfg, limit, s.strict))
+
+
+def _paced(cfg: PolicyConfig, limit: float, strict: bool) -> float:
+    # Strict spacing never lets two requests closer than 1/rate, which is margin enough;
+    # tolerant pacing catches up after late wake-ups, so it keeps a little headroom.
+    return limit if strict else limit * (1.0 - cfg.headroom)
+
+
+def initial(cfg: PolicyConfig) -> BudgetState:
+    return BudgetState(rate=max(cfg.floor, _paced(cfg, cfg.ceiling, False)), probe_s=cfg.probe_s)
+
+
+def remembered(cfg: PolicyConfig, memory: BudgetState, now: float) -> BudgetState:
+    """A new life that starts from what an earlier one learnt.
+
+    The learnt limit drifts back to the ceiling with the half-life, so a partner that has
+    since raised its limit is not held low for ever; a pause in force is kept.
+    """
+    fresh = initial(cfg)
+    paused_until = memory.paused_until if memory.paused_until > now else 0.0
+    pause_reason = memory.pause_reason if paused_until else ""
+    if memory.w_max is None:
+        return replace(fresh, paused_until=paused_until, pause_reason=pause_reason,
+                       strict=memory.strict, announced=memory.announced)
+    age = max(0.0, now - memory.learnt_at)
+    drift = 0.5 ** (age / cfg.half_life_s) if cfg.half_life_s > 0 else 0.0
+    w_max = cfg.ceiling - (cfg.ceiling - min(memory.w_max, cfg.ceiling)) * drift
+    s = replace(fresh, strict=memory.strict, announced=memory.announced,
+                paused_until=paused_until, pause_reason=pause_reason,
+                learnt_at=memory.learnt_at, probe_s=cfg.max_probe_s)
+    w_max = max(cfg.floor, min(w_max, top(cfg, s)))
+    # Hold the remembered plateau, then probe as slowly as a confirmed limit: the drift
+    # across runs, not a probe within one, is what brings the rate back to the ceiling.
+    return replace(s, w_max=w_max, cut_to=w_max, cut_at=now, rate=w_max)
+
+
+def step(cfg: PolicyConfig, s: BudgetState, event: Event, now: float) -> BudgetState:
+    if isinstance(event, Success):
+        return _recover(cfg, s, now)
+    if isinstance(event, Throttle):
+        return _throttle(cfg, s, event, now)
+    if isinstance(event, Announce):
+        return _announce(cfg, s, event, now)
+    return _pause(s, event.until, event.reason)
+
+
+def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
+    """The rate the recovery allows at ``now``."""
+    high = top(cfg, s)
+    if s.w_max is None:
+        return high
+    plateau = min(s.w_max, high)
+    t = now - s.cut_at
+    k = cfg.recovery_s
+    if t < k:
+        rate = plateau - (plateau - s.cut_to) * ((k - t) / k) ** 3
+    else:
+        probe = min(1.0, (t - k) / max(s.probe_s, 1e-9))
+        rate = plateau + (high - plateau) * probe ** 3
+    return max(cfg.floor, min(high, rate))
+
+
+def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
+    rate = curve(cfg, s, now)
+    if s.w_max is not None and rate >= top(cfg, s) and now - s.cut_at >= cfg.recovery_s:
+        # The probe reached the top without a 429: whatever was learnt no longer holds.
+        return replace(s, rate=rate, w_max=None, probe_s=cfg.probe_s)
+    return s if rate == s.rate else replace(s, rate=rate)
+
+
+def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> BudgetState:
+    s = replace(s, throttles=s.throttles + 1)
+    imposed = (cfg.long_pause_s > 0 and ev.retry_after_s is not None
+               and ev.retry_after_s >= cfg.long_pause_s)
+    if ev.sent_at >= s.cut_at and not imposed:
+        s = _cut(cfg, s, now)
+    if ev.retry_after_s is not None and ev.retry_after_s > 0:
+        s = _pause(s, now + ev.retry_after_s, "retry-after")
+    return s
+
+
+def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
+    rate = s.rate
+    high = top(cfg, s)
+    at_top = rate >= AT_TOP * high and s.w_max is None
+    if at_top and not s.strict:
+        # An edge: the partner's limit is about the ceiling and our spacing was too tight.
+        w_max = rate * (1.0 - cfg.edge_trim)
+        return replace(s, strict=True, w_max=w_max, cut_to=w_max, cut_at=now - cfg.recovery_s,
+                       rate=max(cfg.floor, w_max), learnt_at=now, probe_s=cfg.max_probe_s)
+    recovering = s.w_max is not None and now - s.cut_at < cfg.recovery_s
+    far_above = recovering and rate <= s.cut_to * 1.05
+    factor = cfg.decrease_factor ** 2 if far_above else cfg.decrease_factor
+    cut_to = max(cfg.floor, rate * factor)
+    # Throttled again at the rate we had just cut to: the limit is far below, and the
+    # plateau is what a single cut would have given.
+    w_max = cut_to / cfg.decrease_factor * PLATEAU if far_above else rate * PLATEAU
+    w_max = max(cut_to, w_max)
+    confirmed = (s.w_max is not None and not far_above
+                 and abs(w_max - s.w_max) <= SAME_LEVEL * s.w_max)
+    probe_s = min(cfg.max_probe_s, s.probe_s * 2) if confirmed else cfg.probe_s
+    return replace(s, w_max=w_max, cut_to=cut_to, cut_at=now, rate=cut_to,
+                   probe_s=probe_s, learnt_at=now)
+
+
+def _announce(cfg: PolicyConfig, s: BudgetState, ev: Announce, now: float) -> BudgetState:
+    if ev.rate == s.announced or (ev.rate is not None and not ev.rate > 0):
+        return s
+    s = replace(s, announced=ev.rate)
+    high = top(cfg, s)
+    if s.rate > high:
+        # Like a cut (so a 429 in the same answer does not cut again), but to the
+        # announced limit itself: the partner said exactly what it allows.
+        return replace(s, rate=high, cut_at=now, cut_to=high,
+                       w_max=None if s.w_max is None else min(s.w_max, high))
+    if s.w_max is None:
+        return replace(s, rate=high)
+    return s
+
+
+def _pause(s: BudgetState, until: float, reason: str) -> BudgetState:
+    if until <= s.paused_until or not math.isfinite(until):
+        return s
+    return replace(s, paused_until=until, pause_reason=reason)

@@ -1,0 +1,174 @@
+"""The in-process budget: aiolimiter's bucket retuned in place, the global pause, quotas,
+the concurrency gate and memory. Real event loop, short real waits, generous bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from aiolimiter import AsyncLimiter
+
+from supervisor.budget.base import Feedback, Outcome, Policy
+from supervisor.budget.concurrency import GradientLimit
+from supervisor.budget.local import LocalBudget, tune_bucket
+from supervisor.config import LimitsConfig, QuotaConfig
+
+
+def budget(store: Any = None, **overrides: Any) -> LocalBudget:
+    values: dict[str, Any] = {"rate_per_second": 50.0, "concurrency": 4}
+    values.update(overrides)
+    return LocalBudget(LimitsConfig(**values), key="http://partner", store=store)
+
+
+class DictStore:
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, Any]] = {}
+
+    async def load_budget(self, key: str) -> dict[str, Any] | None:
+        return self.data.get(key)
+
+    async def save_budget(self, key: str, data: dict[str, Any]) -> None:
+        self.data[key] = data
+
+
+def test_aiolimiter_still_has_the_internals_tune_bucket_relies_on() -> None:
+    bucket = AsyncLimiter(1, 1)
+    for name in ("_leak", "_level", "_rate_per_sec", "_wake_next", "max_rate", "time_period"):
+        assert hasattr(bucket, name), name
+
+
+async def test_a_new_rate_reaches_waiters_already_queued() -> None:
+    bucket = AsyncLimiter(1, 1.0)  # one a second
+    await bucket.acquire()
+    waiters = [asyncio.create_task(bucket.acquire()) for _ in range(5)]
+    await asyncio.sleep(0)
+    tune_bucket(bucket, 100.0, 1.0)
+    started = time.monotonic()
+    await asyncio.wait_for(asyncio.gather(*waiters), 2.0)
+    assert time.monotonic() - started < 0.5  # at 1/s they would take 5 s
+
+
+async def test_empty_leaves_no_token() -> None:
+    bucket = AsyncLimiter(1, 0.2)
+    tune_bucket(bucket, 5.0, 1.0, empty=True)
+    assert not bucket.has_capacity()
+
+
+async def test_capacity_of_one_never_grants_two_closer_than_the_period() -> None:
+    b = budget(rate_per_second=200.0, burst=1.0)
+    times = []
+    for _ in range(20):
+        grant = await b.acquire()
+        times.append(time.monotonic())
+        b.release(grant, Feedback(Outcome.OK, 0.001))
+    gaps = [y - x for x, y in zip(times, times[1:], strict=False)]
+    assert min(gaps) >= 1 / 200 * 0.95
+
+
+async def test_a_retry_after_pauses_every_waiter_and_empties_the_bucket() -> None:
+    b = budget()
+    grant = await b.acquire()
+    b.release(grant, Feedback(Outcome.THROTTLED, 0.001, retry_after_s=0.4))
+    paused_until = b.snapshot().paused_until
+    assert paused_until == pytest.approx(time.time() + 0.4, abs=0.05)
+    waiters = [asyncio.create_task(b.acquire()) for _ in range(3)]
+    done, _ = await asyncio.wait(waiters, timeout=0.25)
+    assert not done  # held by the pause
+    grants = await asyncio.wait_for(asyncio.gather(*waiters), 2.0)
+    assert all(g.at >= paused_until for g in grants)
+
+
+async def test_an_edge_throttle_switches_to_strict_pacing() -> None:
+    b = budget()
+    grant = await b.acquire()
+    b.release(grant, Feedback(Outcome.THROTTLED, 0.001, retry_after_s=None))
+    assert b.snapshot().state.strict
+    assert b._bucket is not None and b._bucket.max_rate == 1.0
+
+
+async def test_a_configured_quota_holds_everyone_until_its_window_frees() -> None:
+    b = budget(rate_per_second=100.0,
+               quota=(QuotaConfig(limit=3, period_seconds=0.6, name="short"),))
+    started = time.time()
+    for _ in range(3):
+        b.release(await b.acquire(), Feedback(Outcome.OK, 0.001))
+    (view,) = b.snapshot().quotas
+    assert (view.name, view.remaining) == ("short", 0)
+    assert b.snapshot().projected_finish(3, time.time()) >= view.resets_at
+    fourth = await asyncio.wait_for(b.acquire(), 3.0)
+    assert fourth.at - started >= 0.6
+
+
+async def test_an_announced_quota_that_is_spent_pauses_until_its_reset() -> None:
+    b = budget()
+    grant = await b.acquire()
+    day = Policy("day", 50_000, 86_400.0, remaining=0, reset_s=0.3)
+    second = Policy("default", 50, 1.0, remaining=10, reset_s=1)
+    b.release(grant, Feedback(Outcome.OK, 0.001, policies=(second, day)))
+    snap = b.snapshot()
+    assert snap.state.pause_reason == "quota day exhausted"
+    assert snap.paused_until == pytest.approx(time.time() + 0.3, abs=0.05)
+    assert any(q.name == "day" and q.remaining == 0 for q in snap.quotas)
+    assert snap.state.announced == 50.0
+
+
+async def test_the_short_policy_at_zero_does_not_pause_when_it_paces() -> None:
+    b = budget()
+    grant = await b.acquire()
+    b.release(grant, Feedback(Outcome.OK, 0.001,
+                              policies=(Policy("default", 50, 1.0, remaining=0, reset_s=1),)))
+    assert b.snapshot().paused_until == 0.0
+
+
+async def test_concurrency_slots_are_given_back_on_cancellation() -> None:
+    b = budget(concurrency=1)
+    grant = await b.acquire()
+    blocked = asyncio.create_task(b.acquire())
+    await asyncio.sleep(0.05)
+    assert not blocked.done()
+    blocked.cancel()
+    b.release(grant, Feedback(Outcome.OK, 0.001))
+    assert b.snapshot().in_flight == 0
+    await asyncio.wait_for(b.acquire(), 1.0)
+
+
+async def test_memory_restores_a_pause_and_the_learnt_limit_across_lives() -> None:
+    store = DictStore()
+    first = budget(store)
+    await first.start()
+    for _ in range(3):
+        first.release(await first.acquire(), Feedback(Outcome.OK, 0.001))
+    grant = await first.acquire()
+    first.release(grant, Feedback(Outcome.THROTTLED, 0.001, retry_after_s=900.0))
+    await first.save()
+    second = budget(store)
+    await second.start()
+    snap = second.snapshot()
+    assert snap.paused_until == pytest.approx(time.time() + 900, abs=2)
+    assert snap.state.w_max == pytest.approx(first.snapshot().state.w_max)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(second.acquire(), 0.2)  # nothing is sent before it ends
+
+
+def test_gradient_limit_shrinks_when_latency_climbs_and_keeps_what_the_rate_needs() -> None:
+    g = GradientLimit(maximum=32)
+    for _ in range(200):
+        g.sample(0.02, rate=20.0, in_flight=32)
+    assert g.value == 32
+    for _ in range(60):
+        g.sample(2.0, rate=20.0, in_flight=g.value)
+    assert g.value < 16
+    # A slow but healthy partner: the limit is what rate x latency needs.
+    slow = GradientLimit(maximum=64)
+    for _ in range(300):
+        slow.sample(0.5, rate=40.0, in_flight=slow.value)
+    assert slow.value >= 21
+
+
+async def test_concurrency_bound_shows_when_the_maximum_limits_the_pace() -> None:
+    b = budget(rate_per_second=100.0, concurrency=2)
+    for _ in range(12):
+        b.release(await b.acquire(), Feedback(Outcome.OK, 0.5))
+    assert b.snapshot().concurrency_bound

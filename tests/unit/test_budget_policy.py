@@ -1,0 +1,200 @@
+"""The adaptive policy as a pure state machine: (config, state, event, now) -> state.
+
+No sleeps and no clock: every test passes the time it means.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from supervisor.budget import policy
+from supervisor.budget.policy import (
+    Announce,
+    BudgetState,
+    Pause,
+    PolicyConfig,
+    Success,
+    Throttle,
+    curve,
+    initial,
+    remembered,
+    step,
+)
+from supervisor.config import LimitsConfig
+
+T0 = 1_800_000_000.0
+
+
+def cfg(**overrides: float) -> PolicyConfig:
+    values: dict[str, float] = {"rate_per_second": 100.0, "floor_per_second": 0.5}
+    values.update(overrides)
+    return PolicyConfig.from_limits(LimitsConfig(**values))  # type: ignore[arg-type]
+
+
+def test_starts_at_the_ceiling_less_the_headroom() -> None:
+    c = cfg(headroom=0.01)
+    s = initial(c)
+    assert s.rate == pytest.approx(99.0)
+    assert s.w_max is None and s.paused_until == 0.0 and not s.strict
+
+
+def test_a_429_at_the_top_is_an_edge_trim_and_strict_pacing_not_a_deep_cut() -> None:
+    c = cfg(edge_trim=0.03)
+    s = step(c, initial(c), Throttle(T0 - 0.01, 1.0), T0)
+    assert s.strict
+    assert s.rate == pytest.approx(99.0 * 0.97)
+    assert s.paused_until == T0 + 1.0
+    # Strict spacing is margin enough: no re-probe for a long time.
+    assert s.probe_s == c.max_probe_s
+    later = step(c, s, Success(), T0 + 30.0)
+    assert later.rate < 97.0
+
+
+def test_a_429_below_the_top_cuts_by_the_decrease_factor() -> None:
+    c = cfg(decrease_factor=0.8)
+    s = replace_rate(initial(c), 60.0)
+    s = step(c, s, Throttle(T0 - 0.01, None), T0)
+    assert s.rate == pytest.approx(48.0)
+    assert s.w_max == pytest.approx(60.0 * policy.PLATEAU)
+    assert s.paused_until == 0.0  # no Retry-After, no pause
+
+
+def test_a_second_429_at_the_rate_just_cut_to_cuts_twice_as_deep() -> None:
+    c = cfg(decrease_factor=0.8)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, None), T0)
+    s = step(c, s, Throttle(T0 + 0.5, None), T0 + 0.6)
+    assert s.rate == pytest.approx(48.0 * 0.64)
+
+
+def test_a_429_for_a_request_granted_before_the_cut_does_not_cut_again() -> None:
+    c = cfg()
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 1.0), T0)
+    again = step(c, s, Throttle(T0 - 0.001, 1.0), T0 + 0.01)
+    assert again.rate == s.rate
+    assert again.throttles == 2
+
+
+def test_a_long_retry_after_pauses_without_cutting() -> None:
+    c = cfg(long_pause_seconds=2.0)
+    s = initial(c)
+    after = step(c, s, Throttle(T0, 900.0), T0)
+    assert after.rate == s.rate
+    assert after.paused_until == T0 + 900.0
+
+
+def test_recovery_is_concave_to_the_plateau_then_probes_to_the_ceiling() -> None:
+    c = cfg(recovery_seconds=8.0, probe_seconds=12.0, decrease_factor=0.8)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, None), T0)
+    plateau = 60.0 * policy.PLATEAU
+    at = [curve(c, s, T0 + t) for t in (0.0, 2.0, 4.0, 8.0, 14.0, 20.0)]
+    assert at[0] == pytest.approx(48.0)
+    assert at[1] - at[0] > at[2] - at[1] > 0  # concave: fast first
+    assert at[3] == pytest.approx(plateau)
+    assert plateau < at[4] < at[5]
+    assert at[5] == pytest.approx(99.0)  # the top: ceiling less headroom
+
+
+def test_a_probe_that_fails_at_the_same_level_doubles_the_next_probe() -> None:
+    c = cfg(probe_seconds=12.0)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, None), T0)
+    s = step(c, s, Success(), T0 + 10.0)
+    assert s.probe_s == 12.0
+    rate_at_failure = s.rate  # about the plateau: the same level throttled again
+    s = step(c, s, Throttle(T0 + 10.0, None), T0 + 10.0)
+    assert s.probe_s == 24.0
+    assert s.rate == pytest.approx(rate_at_failure * 0.8)
+
+
+def test_reaching_the_top_without_a_429_forgets_the_learnt_limit() -> None:
+    c = cfg(recovery_seconds=1.0, probe_seconds=1.0)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, None), T0)
+    s = step(c, s, Success(), T0 + 5.0)
+    assert s.w_max is None and s.rate == pytest.approx(99.0)
+
+
+def test_never_below_the_floor() -> None:
+    c = cfg(floor_per_second=5.0)
+    s = replace_rate(initial(c), 6.0)
+    for i in range(10):
+        s = step(c, s, Throttle(T0 + i, None), T0 + i + 0.001)
+    assert s.rate == 5.0
+
+
+def test_an_announced_limit_paces_at_once_and_counts_as_a_cut() -> None:
+    c = cfg(rate_per_second=200.0)
+    s = step(c, initial(c), Announce(50.0), T0)
+    assert s.rate == pytest.approx(49.5)
+    # A 429 in the same answer, for a request granted before, does not cut again.
+    s2 = step(c, s, Throttle(T0 - 0.001, None), T0)
+    assert s2.rate == s.rate
+
+
+def test_an_announcement_above_the_ceiling_changes_nothing() -> None:
+    c = cfg(rate_per_second=20.0)
+    s = step(c, initial(c), Announce(500.0), T0)
+    assert s.rate == pytest.approx(19.8)
+
+
+def test_a_pause_extends_and_a_shorter_one_does_not_shorten() -> None:
+    c = cfg()
+    s = step(c, initial(c), Pause(T0 + 10, "quota day"), T0)
+    s = step(c, s, Pause(T0 + 5, "retry-after"), T0)
+    assert (s.paused_until, s.pause_reason) == (T0 + 10, "quota day")
+
+
+def test_memory_starts_at_the_learnt_limit_and_drifts_back_with_the_half_life() -> None:
+    c = cfg(rate_per_second=100.0, memory_half_life_seconds=3600.0)
+    learnt = step(c, replace_rate(initial(c), 60.0), Throttle(T0, None), T0)
+    fresh = remembered(c, learnt, T0 + 1.0)
+    assert fresh.rate == pytest.approx(learnt.w_max, rel=0.01)
+    hour = remembered(c, learnt, T0 + 3600.0)
+    assert hour.rate == pytest.approx(100.0 - (100.0 - learnt.w_max) / 2, rel=0.01)
+    # It holds the plateau first: no probe for recovery_seconds.
+    assert curve(c, fresh, T0 + 1.0 + c.recovery_s * 0.5) == pytest.approx(fresh.rate)
+
+
+def test_memory_keeps_a_pause_in_force_and_drops_one_that_ended() -> None:
+    c = cfg()
+    s = step(c, initial(c), Throttle(T0, 900.0), T0)
+    assert remembered(c, s, T0 + 10).paused_until == T0 + 900.0
+    assert remembered(c, s, T0 + 901).paused_until == 0.0
+
+
+def test_memory_is_capped_by_the_ceiling() -> None:
+    c = cfg(rate_per_second=30.0)
+    old = BudgetState(rate=80.0, w_max=80.0, learnt_at=T0)
+    assert remembered(c, old, T0).rate <= 30.0
+
+
+def test_the_state_round_trips_through_json() -> None:
+    c = cfg()
+    s = step(c, initial(c), Throttle(T0, 2.0), T0)
+    assert BudgetState.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+@given(st.lists(st.tuples(st.sampled_from(["ok", "429", "ra", "announce"]),
+                          st.floats(0.0, 5.0)), max_size=60))
+def test_the_rate_stays_between_the_floor_and_the_ceiling(events: list[tuple[str, float]]) -> None:
+    c = cfg(rate_per_second=50.0, floor_per_second=1.0)
+    s, now = initial(c), T0
+    for kind, dt in events:
+        now += dt
+        if kind == "ok":
+            s = step(c, s, Success(), now)
+        elif kind == "429":
+            s = step(c, s, Throttle(now - 0.01, None), now)
+        elif kind == "ra":
+            s = step(c, s, Throttle(now - 0.01, dt), now)
+        else:
+            s = step(c, s, Announce(dt * 20 or None), now)
+        assert 1.0 <= s.rate <= 50.0
+
+
+def replace_rate(s: BudgetState, rate: float) -> BudgetState:
+    import dataclasses
+
+    return dataclasses.replace(s, rate=rate)

@@ -1,6 +1,7 @@
 """Benchmark: changing-limit (see scenarios.py).
 
-Usage: python bench/changing_limit.py [--tools service,cron,celery] [--set section.key=value]
+Usage: python bench/changing_limit.py [--tools service,cron,celery] [--cells a,b] [--rate R] [--quick]
+                          [--set section.key=value]
 """
 
 import sys

@@ -1,9 +1,10 @@
 """The limiter's rate over time against the partner's true limit, with 429s marked.
 
-One panel per scenario whose service run recorded samples (hidden-limit, changing-limit):
-the ``cleanup_limiter_rate_per_second`` gauge scraped every 250 ms, the partner's true
-limit, the configured ceiling, the deletions per second the partner actually executed,
-and a mark wherever 429s were answered between two scrapes.
+One panel per scenario whose service runs recorded samples (hidden-limit, changing-limit),
+drawn for the scenario's WORST cell (highest ratio, then 429 share; matrix.worst): the
+``cleanup_limiter_rate_per_second`` gauge scraped every 250 ms, the partner's true limit,
+the configured ceiling, the deletions per second the partner actually executed, and a
+mark wherever 429s were answered between two scrapes.
 """
 
 from __future__ import annotations
@@ -18,23 +19,29 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use(): the backend must be chosen first
-from harness import Result
+from matrix import worst
+from scenario import Result
 
 PICTURED = ("hidden-limit", "changing-limit")
 
 
 def plot_limiter(results: Sequence[Result], path: Path,
                  names: Sequence[str] = PICTURED) -> Path | None:
-    """One panel per service run of ``names`` that recorded samples; None if there is none."""
+    """One panel per scenario of ``names``: its worst service cell that recorded samples."""
     from scenarios import BY_NAME
 
-    runs = [r for r in results
-            if r.tool == "service" and r.scenario in names and r.extra.get("samples")]
+    runs = []
+    for name in dict.fromkeys(names):
+        rows = [r for r in results if r.tool == "service" and r.scenario == name
+                and any(rate is not None for _, rate, _ in r.extra.get("samples", []))]
+        bad = worst(rows)
+        if bad is not None:
+            runs.append(bad)
     if not runs:
         return None
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 4.4 * len(runs)), squeeze=False)
     for ax, r in zip(axes[:, 0], runs, strict=True):
-        sc = BY_NAME[r.scenario]
+        sc = r.scenario_spec() or BY_NAME[r.scenario]
         samples = [(t, rate, c) for t, rate, c in r.extra["samples"] if rate is not None]
         end = max(t for t, _, _ in samples)
         ts = [t for t, _, _ in samples]
@@ -60,8 +67,8 @@ def plot_limiter(results: Sequence[Result], path: Path,
                        zorder=5, label="429s answered (size ∝ count per 250 ms)")
         ratio = f"{r.ratio:.2f}" if r.ratio is not None else "—"
         share = f"{r.share_429:.1%}" if r.share_429 is not None else "—"
-        ax.set_title(f"{sc.title}: N={r.n:,}, wall {r.elapsed_s:.1f} s, ratio {ratio}, "
-                     f"429 share {share}", fontsize=10)
+        ax.set_title(f"{sc.title}, worst cell {r.cell} ({sc.cell.describe()}): N={r.n:,}, "
+                     f"wall {r.elapsed_s:.1f} s, ratio {ratio}, 429 share {share}", fontsize=9)
         ax.set_xlabel("seconds since the tick")
         ax.set_ylabel("requests per second")
         ax.set_xlim(0, end)

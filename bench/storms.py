@@ -1,6 +1,6 @@
-"""Benchmark: Retry-After storms, both formats (delay-seconds, HTTP-date).
+"""Benchmark: Retry-After storms over the partner matrix (see scenarios.py).
 
-Usage: python bench/storms.py [--tools ...] [--set ...]
+Usage: python bench/storms.py [--tools ...] [--cells a,b] [--rate R] [--quick] [--set ...]
 """
 
 import sys
@@ -8,4 +8,4 @@ import sys
 from scenarios import main
 
 if __name__ == "__main__":
-    sys.exit(main(["storms-seconds", "storms-http-date"]))
+    sys.exit(main(["storms"]))

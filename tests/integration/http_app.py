@@ -11,11 +11,11 @@ from pathlib import Path
 from aiohttp.test_utils import TestClient, TestServer
 
 from supervisor import config as config_module
+from supervisor.budget.local import LocalBudget
 from supervisor.config import Config
 from supervisor.http import ApiState, create_app
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
-from supervisor.budget.local import LocalBudget
 from supervisor.partner import PartnerClient
 from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler

@@ -4,19 +4,19 @@ partner simulator on loopback."""
 from __future__ import annotations
 
 import asyncio
-import time
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
 
 from supervisor import metrics
+from supervisor.budget.local import LocalBudget
 from supervisor.config import Config, LimitsConfig, PartnerConfig, QueueConfig
 from supervisor.consumer import ConsumerPool
 from supervisor.errors import StorageError
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
-from supervisor.budget.local import LocalBudget
 from supervisor.partner import PartnerClient
 from supervisor.queue.base import Message, QueueStats
 from supervisor.queue.sqlite import SqliteQueue

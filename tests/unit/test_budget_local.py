@@ -4,6 +4,7 @@ the concurrency gate and memory. Real event loop, short real waits, generous bou
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Any
 
@@ -63,7 +64,7 @@ async def test_capacity_of_one_never_grants_two_closer_than_the_period() -> None
         grant = await b.acquire()
         times.append(time.monotonic())
         b.release(grant, Feedback(Outcome.OK, 0.001))
-    gaps = [y - x for x, y in zip(times, times[1:], strict=False)]
+    gaps = [y - x for x, y in itertools.pairwise(times)]
     assert min(gaps) >= 1 / 200 * 0.95
 
 
@@ -85,7 +86,8 @@ async def test_an_edge_throttle_switches_to_strict_pacing() -> None:
     grant = await b.acquire()
     b.release(grant, Feedback(Outcome.THROTTLED, 0.001, retry_after_s=None))
     assert b.snapshot().state.strict
-    assert b._bucket is not None and b._bucket.max_rate == 1.0
+    assert b._bucket is not None
+    assert b._bucket.max_rate == 1.0
 
 
 async def test_a_configured_quota_holds_everyone_until_its_window_frees() -> None:

@@ -39,7 +39,9 @@ def test_starts_at_the_ceiling_less_the_headroom() -> None:
     c = cfg(headroom=0.01)
     s = initial(c)
     assert s.rate == pytest.approx(99.0)
-    assert s.w_max is None and s.paused_until == 0.0 and not s.strict
+    assert s.w_max is None
+    assert s.paused_until == 0.0
+    assert not s.strict
 
 
 def test_a_429_at_the_top_is_an_edge_trim_and_strict_pacing_not_a_deep_cut() -> None:
@@ -113,7 +115,8 @@ def test_reaching_the_top_without_a_429_forgets_the_learnt_limit() -> None:
     c = cfg(recovery_seconds=1.0, probe_seconds=1.0)
     s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, None), T0)
     s = step(c, s, Success(), T0 + 5.0)
-    assert s.w_max is None and s.rate == pytest.approx(99.0)
+    assert s.w_max is None
+    assert s.rate == pytest.approx(99.0)
 
 
 def test_never_below_the_floor() -> None:

@@ -56,6 +56,10 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, str | Path):
         return orjson.dumps(str(value)).decode()  # a JSON string is a valid TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table: how an array of tables is written here
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"no TOML for {value!r}")
 
 

@@ -22,7 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import PY, REPO, Result, environment, save, table, vm_hwm_mb
+from paths import PY, REPO
+from processes import vm_hwm_mb
+from report import environment, save, table
+from scenario import Result
 
 SIZES = (10_000, 100_000, 1_000_000)
 

@@ -1,13 +1,17 @@
-"""Run the quick benchmarks (``make bench``) and print ONE markdown table.
+"""Run the benchmarks (``make bench``) and print their tables.
 
-Every quick scenario runs through the service and both peers (cron alone, Celery + Redis)
-against a fresh partner simulator each; then the growth benchmark (scan and publish of
-10k, 100k and 1M candidates). ``--full`` adds the article's case (18,400 at 20/s, about
-15 minutes per tool). Writes bench/out/results.{md,json}, bench/out/limiter.png and a copy
-of the PNG at docs/limiter.png for the README.
+Default: every matrix scenario (known-limit, hidden-limit, hidden-limit-memory,
+changing-limit, storms) through the service over all 8 partner cells; the peers (cron
+alone, Celery + Redis) on the default cell and on the service's worst cell of each
+scenario; then the growth benchmark (scan and publish of 10k, 100k and 1M candidates).
+``--full`` adds the scenarios with a partner of their own (minute-window,
+ratelimit-headers, capacity, minute-window-long) and the article's case (18,400 at 20/s,
+about 15 minutes per tool). Writes bench/out/results.{md,json}, bench/out/limiter.png (the
+worst cells of hidden-limit and changing-limit) and a copy of it at docs/limiter.png.
 
-Usage: python bench/run.py [--full] [--only NAME,...] [--tools service,cron,celery]
-                           [--no-growth] [--set section.key=value ...]
+Usage: python bench/run.py [--full] [--only NAME,...] [--cells CELL,...] [--rate R]
+                           [--quick] [--tools service,cron,celery] [--no-growth]
+                           [--set section.key=value ...] [--render]
 """
 
 from __future__ import annotations
@@ -17,66 +21,103 @@ import asyncio
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 
-from growth import run_growth
-from harness import OUT, REPO, environment, load_results, parse_overrides, table
-from plot import plot_limiter
+from growth import SIZES, run_growth
+from matrix import select_cells
+from paths import OUT, REPO
+from processes import parse_overrides
+from report import environment, load_results, preamble, tables
+from runner import estimate_s, run_scenarios, selected_tools
+from scenario import Result
 from scenarios import (
     BY_NAME,
     FULL_ONLY,
-    QUICK,
+    MATRIX,
+    OWN_PARTNER,
+    QUICK_SCALE,
     add_common_args,
+    build,
+    options,
     report,
-    run_scenarios,
-    selected_tools,
 )
+
+GROWTH_ESTIMATE_S = 90.0  # 10k + 100k + 1M candidates scanned and published
+PICTURED = ("hidden-limit", "changing-limit")
+
+
+def plots(results: Sequence[Result], scrape_names: Sequence[str]) -> None:
+    if not any(r.extra.get("samples") and r.scenario in scrape_names for r in results):
+        return
+    try:
+        from plot import plot_limiter
+    except ImportError as exc:
+        print(f"\nno limiter plots: {exc} (pip install -e '.[bench]')", file=sys.stderr)
+        return
+    plot_limiter(results, OUT / "limiter-all.png", scrape_names)
+    png = plot_limiter(results, OUT / "limiter.png", PICTURED)
+    if png is not None:
+        docs = REPO / "docs"
+        docs.mkdir(exist_ok=True)
+        shutil.copyfile(png, docs / "limiter.png")
+        print(f"\nlimiter curve (worst cells): {png} (copied to docs/limiter.png)")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
-    p.add_argument("--full", action="store_true", help="add the article's case (~15 min/tool)")
-    p.add_argument("--only", help="comma-separated scenario names: " + ", ".join(BY_NAME))
+    p.add_argument("--full", action="store_true",
+                   help="add the own-partner scenarios and the article's case (~15 min/tool)")
+    p.add_argument("--only", help="comma-separated scenario names: "
+                                  + ", ".join([*BY_NAME, "growth"]))
     p.add_argument("--no-growth", action="store_true", help="skip the growth benchmark")
     p.add_argument("--render", action="store_true",
-                   help="only print the table (and redraw the PNGs) of bench/out/results.json")
+                   help="only print the tables (and redraw the PNGs) of bench/out/results.json")
     args = p.parse_args()
     if args.render:
-        results = load_results(OUT / "results.json")
-        print(table(results))
-        plot_limiter(results, OUT / "limiter-all.png", [r.scenario for r in results])
-        if plot_limiter(results, OUT / "limiter.png") is not None:
-            shutil.copyfile(OUT / "limiter.png", REPO / "docs" / "limiter.png")
+        results, meta = load_results(OUT / "results.json")
+        opts = meta.get("options", {})
+        env = meta.get("environment")
+        if env:
+            print(preamble(env, None, None, opts) + "\n")
+        print(tables(results))
+        plots(results, list(dict.fromkeys(r.scenario for r in results if r.extra.get("samples"))))
         return 0
-    scenarios = [*QUICK, *(FULL_ONLY if args.full else ())]
+    scenarios_by_name = build(args.rate, args.quick)
+    names = [*MATRIX, *((*OWN_PARTNER, *FULL_ONLY) if args.full else ())]
+    growth = not args.no_growth
     if args.only:
-        names = [n.strip() for n in args.only.split(",") if n.strip()]
-        unknown = [n for n in names if n not in BY_NAME and n != "growth"]
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in scenarios_by_name and n != "growth"]
         if unknown:
-            raise SystemExit(f"unknown scenario(s) {unknown}; known: {', '.join(BY_NAME)}, growth")
-        scenarios = [BY_NAME[n] for n in names if n != "growth"]
-    growth = not args.no_growth and (not args.only or "growth" in args.only.split(","))
+            raise SystemExit(f"unknown scenario(s) {unknown}; known: "
+                             f"{', '.join(scenarios_by_name)}, growth")
+        names = [n for n in wanted if n != "growth"]
+        growth = growth and "growth" in wanted
+    scenarios = [scenarios_by_name[n] for n in names]
+    cells = select_cells(args.cells)
     tools = selected_tools(args.tools)
+    total, runs = estimate_s(scenarios, tools, cells)
+    total += GROWTH_ESTIMATE_S * (QUICK_SCALE if args.quick else 1.0) if growth else 0.0
+    print(f"{len(scenarios)} scenario(s) x {len(cells)} cell(s) "
+          f"({', '.join(c.name for c in cells)}); {runs} runs"
+          + (" + growth" if growth else "") + f"; about {total / 60:.0f} min",
+          file=sys.stderr, flush=True)
     started = time.monotonic()
     start = environment()
-    results = asyncio.run(run_scenarios(scenarios, tools, parse_overrides(args.overrides)))
+    results = asyncio.run(run_scenarios(scenarios, tools, parse_overrides(args.overrides),
+                                        cells, explicit_cells=bool(args.cells)))
     if growth:
         print("growth: scan and publish only", file=sys.stderr, flush=True)
-        results += run_growth()
-    text = report(results, "results", start)
+        sizes = SIZES if not args.quick else tuple(int(n * QUICK_SCALE) for n in SIZES)
+        results += run_growth(sizes)
+    text = report(results, "results", start, options(args))
     print(text)
-    plot_limiter(results, OUT / "limiter-all.png", [sc.name for sc in scenarios if sc.scrape])
-    png = plot_limiter(results, OUT / "limiter.png")
-    if png is not None:
-        docs = REPO / "docs"
-        docs.mkdir(exist_ok=True)
-        shutil.copyfile(png, docs / "limiter.png")
-        print(f"\nlimiter curve: {png} (copied to docs/limiter.png)")
+    plots(results, [sc.name for sc in scenarios if sc.scrape])
     print(f"\n{len(results)} rows in {time.monotonic() - started:.0f} s; "
           f"bench/out/results.md, bench/out/results.json", file=sys.stderr)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -139,7 +139,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated subset of: " + ", ".join(TOOLS))
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE",
-                   help="override a service config key, e.g. limits.increase_per_second=20")
+                   help="override a service config key, e.g. limits.decrease_factor=0.7")
     p.add_argument("--cells", help="comma-separated partner cells (default: all 8)")
     p.add_argument("--rate", type=float, default=DEFAULT_RATE,
                    help="the matrix scenarios' partner rate R per second (default 50)")

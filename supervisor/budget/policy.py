@@ -28,7 +28,8 @@ The policy, and why:
   whose limit is stable is probed ever more rarely, while a limit that moved is found.
 * **One cut per episode**: a 429 for a request granted before the last cut was sent at
   the old rate and is already accounted for.
-* **Retry-After pauses everyone** until then (the caller applies it to every worker). A
+* **Retry-After pauses everyone** until then (the caller applies it to every worker); a
+  429 without one pauses everyone for our own backoff, 0.1 s doubling per 429 in a row. A
   pause of ``long_pause_s`` or more (0 = never) is the partner's own pause (maintenance,
   a window), not a rate signal: the rate is kept.
 * **Memory**: :func:`remembered` starts a new run from what an earlier one learnt, capped
@@ -51,6 +52,9 @@ PLATEAU = 0.95
 SAME_LEVEL = 0.1
 # "At the top": pacing within this fraction of the highest rate allowed.
 AT_TOP = 0.98
+# A 429 without Retry-After: pause everyone this long, doubling per 429 in a row.
+BLIND_BASE_S = 0.1
+BLIND_MAX_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,7 @@ class BudgetState:
     pause_reason: str = ""
     throttles: int = 0
     learnt_at: float = 0.0  # when w_max was last confirmed or lowered
+    blind: int = 0  # 429s in a row without a Retry-After: our own backoff doubles
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -205,6 +210,8 @@ def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
 
 
 def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
+    if s.blind:
+        s = replace(s, blind=0)
     rate = curve(cfg, s, now)
     if s.w_max is not None and rate >= top(cfg, s) and now - s.cut_at >= cfg.recovery_s:
         # The probe reached the top without a 429: whatever was learnt no longer holds.
@@ -218,9 +225,14 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
                and ev.retry_after_s >= cfg.long_pause_s)
     if ev.sent_at >= s.cut_at and not imposed:
         s = _cut(cfg, s, now)
-    if ev.retry_after_s is not None and ev.retry_after_s > 0:
-        s = _pause(s, now + ev.retry_after_s, "retry-after")
-    return s
+    if ev.retry_after_s is not None:
+        if ev.retry_after_s > 0:
+            s = _pause(s, now + ev.retry_after_s, "retry-after")
+        return replace(s, blind=0)
+    # No Retry-After: the partner gave no time, so everyone backs off on our own clock,
+    # doubling while the 429s keep coming (a pause it imposes without saying how long).
+    backoff = min(BLIND_MAX_S, BLIND_BASE_S * 2.0 ** s.blind)
+    return replace(_pause(s, now + backoff, "429 without retry-after"), blind=s.blind + 1)
 
 
 def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:

@@ -62,7 +62,11 @@ def test_a_429_below_the_top_cuts_by_the_decrease_factor() -> None:
     s = step(c, s, Throttle(T0 - 0.01, None), T0)
     assert s.rate == pytest.approx(48.0)
     assert s.w_max == pytest.approx(60.0 * policy.PLATEAU)
-    assert s.paused_until == 0.0  # no Retry-After, no pause
+    # No Retry-After: our own backoff, doubling while the 429s keep coming.
+    assert s.paused_until == pytest.approx(T0 + policy.BLIND_BASE_S)
+    s = step(c, s, Throttle(T0 - 0.01, None), T0 + 0.2)
+    assert s.paused_until == pytest.approx(T0 + 0.2 + 2 * policy.BLIND_BASE_S)
+    assert step(c, s, Success(), T0 + 1).blind == 0
 
 
 def test_a_second_429_at_the_rate_just_cut_to_cuts_twice_as_deep() -> None:

@@ -1,0 +1,256 @@
+"""Tables, the preamble (where and on what it was measured), saving and loading results.
+
+A matrix scenario gets a table of its own: one row per cell for the service, a line
+naming the worst and the best cell, then the peers' rows (the default cell and the
+service's worst) the same way. Above them a summary: per scenario and tool, the worst
+cell's figures, which is what the README quotes. Scenarios with a partner of their own
+(minute-window, ratelimit-headers, capacity, article) and growth share one flat table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from matrix import best, worst
+from paths import OUT, REPO
+from scenario import Result, Scenario, follow_delay, gauge_applies, misses, pause_excess
+
+
+def _f(value: float | None, spec: str, none: str = "—") -> str:
+    return none if value is None else format(value, spec)
+
+
+def describe(r: Result) -> str:
+    """One line for the progress log."""
+    wall = f"{r.wall_s:.1f}s" if r.wall_s is not None else f"DNF({r.elapsed_s:.0f}s)"
+    return (f"wall={wall} ratio={_f(r.ratio, '.3f')} 429={_f(r.share_429, '.2%')} "
+            f"req={r.requests} dups={r.duplicates} pause_reqs={r.requests_during_pause} "
+            f"announced_wait_reqs={r.requests_during_announced_wait} "
+            f"rss={r.peak_rss_mb or 0:.0f}MB {'; '.join(r.notes)}")
+
+
+def _wall(r: Result) -> str:
+    if r.wall_s is not None:
+        return f"{r.wall_s:.1f}"
+    return f"DNF ({r.elapsed_s:.0f})" if r.projected_s is not None else "—"
+
+
+def _ratio(r: Result) -> str:
+    return "—" if r.ratio is None else f"{r.ratio:.3f}" + ("" if r.finished else " (proj.)")
+
+
+def _verdict(r: Result, sc: Scenario | None) -> str:
+    if sc is None:
+        return "—"
+    missed = misses(r, sc)
+    return ("✓" if not missed else "✗ " + ", ".join(missed)) + (" (quick)" if sc.quick else "")
+
+
+def _delays(r: Result, kind: str) -> str:
+    f = follow_delay(r, kind)
+    if f is None:
+        return "—"
+
+    def one(v: float | None, seen: bool = True) -> str:
+        return "—" if not seen else "not seen" if v is None else f"{v:.1f}"
+
+    return (one(f["gauge_s"], f["gauge_seen"] and gauge_applies(r)) + " / "
+            + one(f["executions_s"]))
+
+
+def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# -- a matrix scenario --------------------------------------------------------------------
+
+
+def _columns(sc: Scenario) -> list[str]:
+    cols = ["cell", "tool", "wall s", "ideal s", "ratio", "429 share", "requests", "dups",
+            "req. in announced wait"]
+    if sc.pauses:
+        cols += ["req. in pause", "beyond in-flight"]
+    if sc.rate_changes:
+        cols += ["drop s (gauge / exec.)", "recovery s (gauge / exec.)"]
+    return [*cols, "peak RSS MB", "target", "notes"]
+
+
+def _cells(r: Result, sc: Scenario) -> list[str]:
+    row = [r.cell, r.tool, _wall(r), _f(r.ideal_s, ".1f"), _ratio(r), _f(r.share_429, ".2%"),
+           f"{r.requests:,}", str(r.duplicates), str(r.requests_during_announced_wait)]
+    if sc.pauses:
+        row += [str(r.requests_during_pause), str(pause_excess(r, sc))]
+    notes = r.notes
+    if sc.rate_changes:
+        row += [_delays(r, "drop"), _delays(r, "recovery")]
+        notes = [n for n in notes if not n.startswith("limit ")]
+    return [*row, _f(r.peak_rss_mb, ".0f"), _verdict(r, sc), "; ".join(notes)]
+
+
+def _worst_best(rows: Sequence[Result]) -> str:
+    def name(r: Result | None) -> str:
+        if r is None:
+            return "—"
+        return (f"**{r.cell}** (ratio {_f(r.ratio, '.3f')}, 429 share "
+                f"{_f(r.share_429, '.2%')})")
+
+    return f"worst: {name(worst(rows))}; best: {name(best(rows))}"
+
+
+def scenario_section(sc: Scenario, rows: Sequence[Result]) -> str:
+    head = (f"### {sc.name}: {sc.title}\n\nN = {sc.n:,}"
+            + (f" per tick, {sc.ticks} ticks (the last is the row)" if sc.ticks > 1 else "")
+            + f", partner {sc.r_label()}/s, ceiling {sc.ceiling:g}/s, ideal "
+            f"{_f(sc.ideal_s(), '.1f')} s. Target: {sc.target.describe()}.")
+    parts = [head]
+    service = [r for r in rows if r.tool == "service"]
+    peers = [r for r in rows if r.tool != "service"]
+    cols = _columns(sc)
+    if service:
+        parts += [_md(cols, [_cells(r, sc) for r in service]), _worst_best(service)]
+    if peers:
+        parts += ["peers (the default cell and the service's worst):",
+                  _md(cols, [_cells(r, sc) for r in peers])]
+        for tool in dict.fromkeys(r.tool for r in peers):
+            parts.append(f"{tool}: " + _worst_best([r for r in peers if r.tool == tool]))
+    return "\n\n".join(parts)
+
+
+def summary(groups: Sequence[tuple[Scenario, list[Result]]]) -> str:
+    """Per matrix scenario and tool: its worst cell (and best), against the target."""
+    rows = []
+    for sc, results in groups:
+        for tool in dict.fromkeys(r.tool for r in results):
+            mine = [r for r in results if r.tool == tool]
+            bad, good = worst(mine), best(mine)
+            if bad is None:
+                continue
+            rows.append([sc.name, tool, str(len(mine)), bad.cell, _ratio(bad),
+                         _f(bad.share_429, ".2%"), str(bad.requests_during_announced_wait),
+                         good.cell if good else "—", _ratio(good) if good else "—",
+                         _verdict(bad, sc), sc.target.describe()])
+    return _md(["scenario", "tool", "cells", "worst cell", "ratio", "429 share",
+                "req. in announced wait", "best cell", "ratio", "worst cell vs target",
+                "target"], rows)
+
+
+# -- the flat table (own-partner scenarios, growth) ----------------------------------------
+
+
+HEADER = ["scenario", "tool", "N", "R /s", "wall s", "ideal s", "ratio", "429 share",
+          "dups", "req. in pause", "req. in announced wait", "peak RSS MB", "notes"]
+
+
+def table_row(r: Result) -> list[str]:
+    partner = r.requests > 0  # growth rows never talk to a partner
+    return [r.scenario, r.tool, f"{r.n:,}", r.r_label, _wall(r), _f(r.ideal_s, ".1f"),
+            _ratio(r), _f(r.share_429, ".2%"), str(r.duplicates) if partner else "—",
+            str(r.requests_during_pause) if partner else "—",
+            str(r.requests_during_announced_wait) if partner else "—",
+            _f(r.peak_rss_mb, ".0f"), "; ".join(r.notes)]
+
+
+def table(results: Sequence[Result]) -> str:
+    return _md(HEADER, [table_row(r) for r in results])
+
+
+def grouped(results: Sequence[Result]) -> tuple[list[tuple[Scenario, list[Result]]],
+                                                  list[Result]]:
+    """Matrix scenarios with their rows (in order of appearance), and every other row."""
+    groups: dict[str, tuple[Scenario, list[Result]]] = {}
+    flat = []
+    for r in results:
+        sc = r.scenario_spec()
+        if sc is not None and sc.matrix:
+            groups.setdefault(r.scenario, (sc, []))[1].append(r)
+        else:
+            flat.append(r)
+    return list(groups.values()), flat
+
+
+def tables(results: Sequence[Result]) -> str:
+    groups, flat = grouped(results)
+    parts = []
+    if groups:
+        parts += ["Worst cell per scenario and tool (worst = highest ratio, then highest "
+                  "429 share):", summary(groups)]
+        parts += [scenario_section(sc, rows) for sc, rows in groups]
+    if flat:
+        parts += (["### scenarios with a partner of their own, and growth"] if groups else [])
+        parts.append(table(flat))
+    return "\n\n".join(parts)
+
+
+# -- environment, save, load ----------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        with contextlib.suppress(OSError, subprocess.CalledProcessError):
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        return "?"
+
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    dirty = git("status", "--porcelain", "--", "supervisor")
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "supervisor_dirty": bool(dirty and dirty != "?"),
+            "cpus": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def preamble(env: dict[str, Any], limits: dict[str, Any] | None,
+             start: dict[str, Any] | None = None, options: dict[str, Any] | None = None) -> str:
+    """Where and on what the table was measured; ``start``: the environment at the start."""
+    start = start or env
+    commit = start["commit"] + ("" if start["commit"] == env["commit"] else
+                                f" at the start, {env['commit']} at the end")
+    dirty = start["supervisor_dirty"] or env["supervisor_dirty"]
+    lines = [f"commit {commit}" + (" (supervisor/ had uncommitted changes)" if dirty else "")
+             + f", {env['cpus']} x {env['cpu']}, Python {env['python']}, {env['date']}"]
+    if limits:
+        # Every scalar setting but the ceiling, which each scenario sets (see its table).
+        shown = {k: v for k, v in limits.items()
+                 if k != "rate_per_second" and not isinstance(v, list | dict)}
+        lines.append("service limits (config/default.toml + scenario + --set): "
+                     + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    options = options or {}
+    if options.get("quick"):
+        lines.append("**QUICK RUN: N and times scaled by 0.2 (a smoke run; not figures to "
+                     "report, the targets are not meant for it)**")
+    if options.get("rate") is not None:
+        lines.append(f"matrix scenarios at R = {options['rate']:g}/s over cells "
+                     + ", ".join(options.get("cells", [])))
+    return "\n".join(lines)
+
+
+def load_results(path: Path) -> tuple[list[Result], dict[str, Any]]:
+    """Results saved by :func:`save` (and the options they were run with)."""
+    doc = json.loads(path.read_text())
+    rows, meta = (doc, {}) if isinstance(doc, list) else (doc["results"], doc.get("meta", {}))
+    names = set(Result.__dataclass_fields__)
+    return [Result(**{k: v for k, v in d.items() if k in names}) for d in rows], meta
+
+
+def save(results: Sequence[Result], stem: str, text: str,
+         meta: dict[str, Any] | None = None) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{stem}.md").write_text(text + "\n")
+    (OUT / f"{stem}.json").write_text(json.dumps(
+        {"meta": meta or {}, "results": [r.as_dict() for r in results]}, indent=1,
+        default=str))

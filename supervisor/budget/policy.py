@@ -16,16 +16,21 @@ The policy, and why:
   requests arrived too close together for it (a token bucket of 1, a strict GCRA): the
   rate is trimmed by ``edge_trim``, and pacing turns *strict* (no catch-up bursts after a
   late wake-up). A deep cut here would cost a third of the run for nothing.
-* **Elsewhere a 429 cuts multiplicatively**: to ``decrease_factor`` of the rate that was
-  throttled, or to half of it when the throttle came before the recovery got anywhere
-  (the limit is far below: a partner that dropped to a quarter must be followed within
-  seconds). Measuring the partner's acceptance rate does not work here: we pause on every
-  Retry-After, so what succeeded before the 429 is just our own pace.
-* **Recovery is CUBIC-shaped**: concave back to ``W_max`` (just under the rate that was
-  throttled) within ``recovery_s``, flat there, then a convex probe towards the ceiling
-  that takes ``probe_s``. A probe that fails at the same level as the last one confirms
-  the limit: the next probe takes twice as long (up to ``max_probe_s``), so a partner
-  whose limit is stable is probed ever more rarely, while a limit that moved is found.
+* **Elsewhere a 429 cuts multiplicatively** to ``decrease_factor`` of the throttled rate,
+  with ``W_max`` (the plateau of the recovery) at 0.95 of it. Throttled again at once at
+  the rate just cut to, or just after an edge trim, the limit is far below: **halve**, and
+  climb back from underneath, because every step down from above costs a Retry-After pause
+  of every worker while a climb costs none. Measuring the partner's acceptance rate does
+  not help here: we pause on every Retry-After, so what succeeded before the 429 is just
+  our own pace, and the partner's bucket refills only up to its burst while we wait.
+* **Recovery is CUBIC-shaped**: concave back to ``W_max`` within ``recovery_s``, flat
+  there, then a convex probe that reaches the ceiling after ``probe_s``. A failed probe
+  says the limit lies just under the rate that failed: the plateau moves to 0.97 of it
+  (never under the old plateau, which held) and the next probe takes twice as long (up to
+  ``max_probe_s``), so a stable limit is probed ever more rarely while a moved one is still
+  found. Throttled on that plateau, it steps down another 3 %, not by a deep cut.
+* **Memory trusts a plateau that held** (``VERIFIED_AFTER`` recovery periods without a
+  429); one that never did is remembered a step under.
 * **One cut per episode**: a 429 for a request granted before the last cut was sent at
   the old rate and is already accounted for.
 * **Retry-After pauses everyone** until then (the caller applies it to every worker); a
@@ -48,8 +53,14 @@ from supervisor.config import LimitsConfig
 # W_max sits this far under the rate that was throttled: the partner let that rate through
 # for a while (its bucket), so it overstates the limit a little.
 PLATEAU = 0.95
-# Two failed probes within this fraction of each other are one limit confirmed.
-SAME_LEVEL = 0.1
+# Within this factor of a rate counts as "at" it.
+NEAR = 1.03
+# The cut when throttled again at once: the limit is far below.
+HALVE = 0.5
+# After a failed probe, the plateau sits this far under the rate that failed.
+PROBE_BACK = 0.97
+# A plateau that held this many recovery periods without a 429 is trusted by memory.
+VERIFIED_AFTER = 1.0
 # "At the top": pacing within this fraction of the highest rate allowed.
 AT_TOP = 0.98
 # A 429 without Retry-After: pause everyone this long, doubling per 429 in a row.
@@ -102,6 +113,8 @@ class BudgetState:
     throttles: int = 0
     learnt_at: float = 0.0  # when w_max was last confirmed or lowered
     blind: int = 0  # 429s in a row without a Retry-After: our own backoff doubles
+    last_cut: str = ""  # edge | lower | probe: what the last 429 was taken for
+    verified: float | None = None  # a plateau that held for 2 x recovery_s: memory trusts it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,16 +184,19 @@ def remembered(cfg: PolicyConfig, memory: BudgetState, now: float) -> BudgetStat
     if memory.w_max is None:
         return replace(fresh, paused_until=paused_until, pause_reason=pause_reason,
                        strict=memory.strict, announced=memory.announced)
+    # A plateau that never held long enough may still be a little high: start a step under.
+    learnt = memory.verified if memory.verified is not None else memory.w_max * PROBE_BACK
     age = max(0.0, now - memory.learnt_at)
     drift = 0.5 ** (age / cfg.half_life_s) if cfg.half_life_s > 0 else 0.0
-    w_max = cfg.ceiling - (cfg.ceiling - min(memory.w_max, cfg.ceiling)) * drift
+    w_max = cfg.ceiling - (cfg.ceiling - min(learnt, cfg.ceiling)) * drift
     s = replace(fresh, strict=memory.strict, announced=memory.announced,
                 paused_until=paused_until, pause_reason=pause_reason,
                 learnt_at=memory.learnt_at, probe_s=cfg.max_probe_s)
     w_max = max(cfg.floor, min(w_max, top(cfg, s)))
     # Hold the remembered plateau, then probe as slowly as a confirmed limit: the drift
     # across runs, not a probe within one, is what brings the rate back to the ceiling.
-    return replace(s, w_max=w_max, cut_to=w_max, cut_at=now, rate=w_max)
+    return replace(s, w_max=w_max, cut_to=w_max, cut_at=now, rate=w_max, verified=w_max,
+                   last_cut="probe")
 
 
 def step(cfg: PolicyConfig, s: BudgetState, event: Event, now: float) -> BudgetState:
@@ -212,10 +228,13 @@ def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
 def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
     if s.blind:
         s = replace(s, blind=0)
+    if (s.w_max is not None and s.verified != s.w_max
+            and now - s.cut_at >= VERIFIED_AFTER * cfg.recovery_s):
+        s = replace(s, verified=s.w_max)
     rate = curve(cfg, s, now)
     if s.w_max is not None and rate >= top(cfg, s) and now - s.cut_at >= cfg.recovery_s:
         # The probe reached the top without a 429: whatever was learnt no longer holds.
-        return replace(s, rate=rate, w_max=None, probe_s=cfg.probe_s)
+        return replace(s, rate=rate, w_max=None, verified=None, probe_s=cfg.probe_s)
     return s if rate == s.rate else replace(s, rate=rate)
 
 
@@ -238,25 +257,38 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
 def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
     rate = s.rate
     high = top(cfg, s)
-    at_top = rate >= AT_TOP * high and s.w_max is None
-    if at_top and not s.strict:
-        # An edge: the partner's limit is about the ceiling and our spacing was too tight.
-        w_max = rate * (1.0 - cfg.edge_trim)
-        return replace(s, strict=True, w_max=w_max, cut_to=w_max, cut_at=now - cfg.recovery_s,
-                       rate=max(cfg.floor, w_max), learnt_at=now, probe_s=cfg.max_probe_s)
-    recovering = s.w_max is not None and now - s.cut_at < cfg.recovery_s
-    far_above = recovering and rate <= s.cut_to * 1.05
-    factor = cfg.decrease_factor ** 2 if far_above else cfg.decrease_factor
-    cut_to = max(cfg.floor, rate * factor)
-    # Throttled again at the rate we had just cut to: the limit is far below, and the
-    # plateau is what a single cut would have given.
-    w_max = cut_to / cfg.decrease_factor * PLATEAU if far_above else rate * PLATEAU
-    w_max = max(cut_to, w_max)
-    confirmed = (s.w_max is not None and not far_above
-                 and abs(w_max - s.w_max) <= SAME_LEVEL * s.w_max)
-    probe_s = min(cfg.max_probe_s, s.probe_s * 2) if confirmed else cfg.probe_s
-    return replace(s, w_max=w_max, cut_to=cut_to, cut_at=now, rate=cut_to,
-                   probe_s=probe_s, learnt_at=now)
+    if s.w_max is None:
+        if rate >= AT_TOP * high and not s.strict:
+            # An edge: the partner's limit is about the ceiling and two of our requests
+            # came too close together for it. Trim, pace strictly, hardly ever re-probe.
+            w_max = rate * (1.0 - cfg.edge_trim)
+            return replace(s, strict=True, w_max=w_max, cut_to=w_max, cut_at=now,
+                           rate=max(cfg.floor, w_max), learnt_at=now, probe_s=cfg.max_probe_s,
+                           last_cut="edge")
+        return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
+    quick = now - s.cut_at < cfg.recovery_s
+    if quick and (s.last_cut == "edge" or (s.last_cut == "lower" and rate <= s.cut_to * NEAR)):
+        # Throttled again at once at the rate just cut to (or just after taking a 429 for
+        # an edge): the limit is far below. Halve, and climb back from underneath: a
+        # climb costs no pause, every step down from above costs one.
+        return _lower(cfg, s, rate * HALVE, rate * HALVE, now)
+    if rate > s.w_max * NEAR or s.last_cut == "probe":
+        # A probe above the plateau failed (or the plateau it left us on is a little too
+        # high): the limit is just under this rate. Settle a step below it; the next
+        # probe waits twice as long.
+        w_max = min(rate, max(s.w_max if rate > s.w_max * NEAR else 0.0, rate * PROBE_BACK))
+        return replace(s, rate=max(cfg.floor, w_max), w_max=w_max, cut_to=w_max, cut_at=now,
+                       probe_s=min(cfg.max_probe_s, s.probe_s * 2), learnt_at=now,
+                       last_cut="probe")
+    # Throttled at (or climbing back to) the plateau: the plateau itself is too high.
+    return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
+
+
+def _lower(cfg: PolicyConfig, s: BudgetState, cut_to: float, w_max: float,
+           now: float) -> BudgetState:
+    cut_to = max(cfg.floor, cut_to)
+    return replace(s, w_max=max(cut_to, w_max), cut_to=cut_to, cut_at=now, rate=cut_to,
+                   probe_s=cfg.probe_s, learnt_at=now, last_cut="lower")
 
 
 def _announce(cfg: PolicyConfig, s: BudgetState, ev: Announce, now: float) -> BudgetState:

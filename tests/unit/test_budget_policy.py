@@ -69,11 +69,19 @@ def test_a_429_below_the_top_cuts_by_the_decrease_factor() -> None:
     assert step(c, s, Success(), T0 + 1).blind == 0
 
 
-def test_a_second_429_at_the_rate_just_cut_to_cuts_twice_as_deep() -> None:
+def test_a_second_429_at_the_rate_just_cut_to_halves_it() -> None:
     c = cfg(decrease_factor=0.8)
     s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, None), T0)
     s = step(c, s, Throttle(T0 + 0.5, None), T0 + 0.6)
-    assert s.rate == pytest.approx(48.0 * 0.64)
+    assert s.rate == pytest.approx(48.0 * policy.HALVE)
+
+
+def test_a_429_soon_after_an_edge_trim_was_no_edge_and_halves() -> None:
+    c = cfg()
+    s = step(c, initial(c), Throttle(T0 - 0.01, 1.0), T0)
+    assert s.last_cut == "edge"
+    s = step(c, s, Throttle(T0 + 1.1, 1.0), T0 + 1.2)
+    assert s.rate == pytest.approx(99.0 * 0.97 * policy.HALVE)
 
 
 def test_a_429_for_a_request_granted_before_the_cut_does_not_cut_again() -> None:
@@ -104,15 +112,21 @@ def test_recovery_is_concave_to_the_plateau_then_probes_to_the_ceiling() -> None
     assert at[5] == pytest.approx(99.0)  # the top: ceiling less headroom
 
 
-def test_a_probe_that_fails_at_the_same_level_doubles_the_next_probe() -> None:
-    c = cfg(probe_seconds=12.0)
+def test_a_failed_probe_settles_just_under_it_and_doubles_the_next_probe() -> None:
+    c = cfg(probe_seconds=12.0, recovery_seconds=8.0)
     s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, None), T0)
-    s = step(c, s, Success(), T0 + 10.0)
-    assert s.probe_s == 12.0
-    rate_at_failure = s.rate  # about the plateau: the same level throttled again
-    s = step(c, s, Throttle(T0 + 10.0, None), T0 + 10.0)
+    plateau = s.w_max
+    assert plateau is not None
+    s = step(c, s, Success(), T0 + 16.0)  # 8 s into the probe above the plateau
+    probed = s.rate
+    assert probed > plateau * policy.NEAR
+    s = step(c, s, Throttle(T0 + 16.0, None), T0 + 16.0)
     assert s.probe_s == 24.0
-    assert s.rate == pytest.approx(rate_at_failure * 0.8)
+    assert s.w_max == pytest.approx(max(plateau, probed * policy.PROBE_BACK))
+    assert s.rate == s.w_max
+    # Throttled again on that plateau: a step lower, not a deep cut.
+    s = step(c, s, Throttle(T0 + 17.0, None), T0 + 18.0)
+    assert s.rate == pytest.approx(probed * policy.PROBE_BACK ** 2)
 
 
 def test_reaching_the_top_without_a_429_forgets_the_learnt_limit() -> None:
@@ -156,10 +170,16 @@ def test_a_pause_extends_and_a_shorter_one_does_not_shorten() -> None:
 def test_memory_starts_at_the_learnt_limit_and_drifts_back_with_the_half_life() -> None:
     c = cfg(rate_per_second=100.0, memory_half_life_seconds=3600.0)
     learnt = step(c, replace_rate(initial(c), 60.0), Throttle(T0, None), T0)
+    assert learnt.w_max is not None
+    # Never held for long: memory starts a step under it.
+    start = learnt.w_max * policy.PROBE_BACK
     fresh = remembered(c, learnt, T0 + 1.0)
-    assert fresh.rate == pytest.approx(learnt.w_max, rel=0.01)
+    assert fresh.rate == pytest.approx(start, rel=0.01)
     hour = remembered(c, learnt, T0 + 3600.0)
-    assert hour.rate == pytest.approx(100.0 - (100.0 - learnt.w_max) / 2, rel=0.01)
+    assert hour.rate == pytest.approx(100.0 - (100.0 - start) / 2, rel=0.01)
+    held = step(c, learnt, Success(), T0 + c.recovery_s * policy.VERIFIED_AFTER)
+    assert held.verified == learnt.w_max
+    assert remembered(c, held, T0 + 20).rate == pytest.approx(learnt.w_max, rel=0.01)
     # It holds the plateau first: no probe for recovery_seconds.
     assert curve(c, fresh, T0 + 1.0 + c.recovery_s * 0.5) == pytest.approx(fresh.rate)
 

@@ -80,7 +80,7 @@ class Snapshot:
     @property
     def concurrency_bound(self) -> bool:
         """The configured maximum in flight, not the rate, bounds the pace (Little's law)."""
-        if self.latency_s is None:
+        if self.latency_s is None or self.concurrency_limit < self.concurrency_max:
             return False
         return self.state.rate * self.latency_s > self.concurrency_max
 

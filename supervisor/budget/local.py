@@ -61,7 +61,7 @@ class LocalBudget:
     """The budget of one process. Construct it anywhere; it binds to the loop on first use."""
 
     def __init__(self, limits: LimitsConfig, key: str, store: MemoryStore | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, timeout_s: float = math.inf) -> None:
         self.cfg = PolicyConfig.from_limits(limits)
         self.key = key
         self.burst = limits.burst
@@ -71,7 +71,7 @@ class LocalBudget:
         self._bucket: AsyncLimiter | None = None
         self._changed: asyncio.Event | None = None
         self._emptied_for = 0.0  # the pause whose end has emptied the bucket
-        self._concurrency = GradientLimit(limits.concurrency)
+        self._concurrency = GradientLimit(limits.concurrency, timeout_s)
         self._in_flight = 0
         self._slot_free: asyncio.Event | None = None
         self._quotas = [RollingQuota(q.name, q.limit, q.period_seconds) for q in limits.quotas]
@@ -190,7 +190,7 @@ class LocalBudget:
         if feedback.policies:
             self._learn(feedback.policies, now)
         if feedback.outcome is Outcome.OK:
-            self._concurrency.sample(feedback.latency_s, self._state.rate, self._in_flight + 1)
+            self._concurrency.sample(feedback.latency_s, self._in_flight + 1)
             self._bound_check()
             self._set(policy.step(self.cfg, self._state, policy.Success(), now))
         elif feedback.outcome is Outcome.THROTTLED:
@@ -223,13 +223,16 @@ class LocalBudget:
                     self.pause(now + p.reset_s, f"quota {p.name} exhausted")
 
     def _bound_check(self) -> None:
-        latency = self._concurrency.base
-        bound = latency is not None and self._state.rate * latency > self._concurrency.maximum
+        # Only the configured maximum, reached, is worth a line: a gradient limit below it
+        # is the partner's latency speaking.
+        latency, limit = self._concurrency.long, self._concurrency
+        bound = (latency is not None and limit.value >= limit.maximum
+                 and self._state.rate * latency > limit.maximum)
         if bound and not self._bound_logged:
             log.warning("limits.concurrency = %d bounds the pace: %.1f/s at %.0f ms needs %d "
                         "in flight", self._concurrency.maximum, self._state.rate,
-                        1000 * (self._concurrency.base or 0.0),
-                        math.ceil(self._state.rate * (self._concurrency.base or 0.0)),
+                        1000 * (self._concurrency.long or 0.0),
+                        math.ceil(self._state.rate * (self._concurrency.long or 0.0)),
                         extra={"action": "concurrency_bound"})
         self._bound_logged = bound
 
@@ -257,7 +260,7 @@ class LocalBudget:
         return Snapshot(state=self._state, ceiling=self.cfg.ceiling,
                         concurrency_limit=self._concurrency.value,
                         concurrency_max=self._concurrency.maximum, in_flight=self._in_flight,
-                        latency_s=self._concurrency.base, quotas=tuple(views))
+                        latency_s=self._concurrency.long, quotas=tuple(views))
 
 
 def _fmt(value: float | None) -> str:

@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-reset-after-act", type=float, default=d.fault_reset_after_act)
     p.add_argument("--hang-seconds", type=float, default=d.hang_seconds)
     p.add_argument("--latency-ms", type=float, default=d.latency_ms)
+    p.add_argument("--latency-per-inflight-ms", type=float, default=d.latency_per_inflight_ms,
+                   help="added latency per DELETE already in hand (a partner queueing)")
     p.add_argument("--page-delay-ms", type=float, default=d.page_delay_ms)
     p.add_argument("--garbage-share", type=float, default=d.garbage_share)
     return p
@@ -123,6 +125,7 @@ def config_from_args(
             fault_reset_after_act=args.fault_reset_after_act,
             hang_seconds=args.hang_seconds,
             latency_ms=args.latency_ms,
+            latency_per_inflight_ms=args.latency_per_inflight_ms,
             page_delay_ms=args.page_delay_ms,
             garbage_share=args.garbage_share,
         )

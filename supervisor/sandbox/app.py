@@ -203,8 +203,10 @@ async def delete_recipient(request: web.Request) -> web.StreamResponse:
             )
 
     completed = False
+    state.begin_delete()
     try:
-        latency = state.tunables.latency_ms
+        latency = state.tunables.latency_ms + (
+            state.config.latency_per_inflight_ms * (state.in_flight - 1))
         if latency > 0:
             await asyncio.sleep(latency / 1000.0)
         plan = state.plan_faults()
@@ -235,6 +237,7 @@ async def delete_recipient(request: web.Request) -> web.StreamResponse:
             _reset_connection(request)
         return response
     finally:
+        state.end_delete()
         if key is not None and not completed:
             state.idempotency.release(key)
 

@@ -103,6 +103,9 @@ class SandboxConfig:
     fault_reset_after_act: float = 0.0
     hang_seconds: float = 30.0
     latency_ms: float = 0.0
+    # A partner that queues under load: each DELETE takes this much longer per other
+    # DELETE it is already handling (20 ms alone, 2 s with 33 in hand at 60 ms each).
+    latency_per_inflight_ms: float = 0.0
     page_delay_ms: float = 0.0
     garbage_share: float = 0.0
 
@@ -115,6 +118,7 @@ class SandboxConfig:
         check_probability("fault_reset_after_act", self.fault_reset_after_act)
         check_non_negative("hang_seconds", self.hang_seconds)
         check_non_negative("latency_ms", self.latency_ms)
+        check_non_negative("latency_per_inflight_ms", self.latency_per_inflight_ms)
         check_non_negative("page_delay_ms", self.page_delay_ms)
         check_non_negative("garbage_share", self.garbage_share)
         check_rate(self.rate_per_second, self.burst)

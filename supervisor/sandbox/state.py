@@ -165,6 +165,7 @@ class Counters:
     injected_resets: int = 0
     pages_served: int = 0
     max_rate_observed_1s: int = 0
+    max_in_flight: int = 0
 
 
 def recipient_ids(count: int) -> list[str]:
@@ -245,6 +246,7 @@ class SandboxState:
         self._fault_rng = random.Random(f"{config.seed}:faults")
         self._recent: deque[float] = deque()
         self._changed = asyncio.Event()
+        self.in_flight = 0
 
     # -- change notification -------------------------------------------------------
 
@@ -274,6 +276,14 @@ class SandboxState:
         return len(self._present)
 
     # -- admission -----------------------------------------------------------------
+
+    def begin_delete(self) -> None:
+        """A DELETE past admission is being handled (its latency may depend on how many)."""
+        self.in_flight += 1
+        self.counters.max_in_flight = max(self.counters.max_in_flight, self.in_flight)
+
+    def end_delete(self) -> None:
+        self.in_flight -= 1
 
     def note_request(self) -> None:
         self.counters.requests += 1
@@ -463,6 +473,7 @@ class SandboxState:
             "pages_served": c.pages_served,
             "present": len(self._present),
             "max_rate_observed_1s": c.max_rate_observed_1s,
+            "max_in_flight": c.max_in_flight,
             "population": len(self.population),
             "initially_absent": self.initially_absent,
             "garbage_listed": len(self.listing) - len(self.population),

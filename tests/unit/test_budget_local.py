@@ -157,19 +157,31 @@ async def test_memory_restores_a_pause_and_the_learnt_limit_across_lives() -> No
         await asyncio.wait_for(second.acquire(), 0.2)  # nothing is sent before it ends
 
 
-def test_gradient_limit_shrinks_when_latency_climbs_and_keeps_what_the_rate_needs() -> None:
-    g = GradientLimit(maximum=32)
+def test_gradient_limit_grows_while_latency_holds_and_shrinks_when_it_climbs() -> None:
+    g = GradientLimit(maximum=32, timeout_s=3.0)
+    assert g.value == 4  # starts small
     for _ in range(200):
-        g.sample(0.02, rate=20.0, in_flight=32)
+        g.sample(0.02, in_flight=g.value)
     assert g.value == 32
-    for _ in range(60):
-        g.sample(2.0, rate=20.0, in_flight=g.value)
+    for _ in range(200):  # 2 s now, past half the 3 s timeout
+        g.sample(2.0, in_flight=g.value)
     assert g.value < 16
-    # A slow but healthy partner: the limit is what rate x latency needs.
-    slow = GradientLimit(maximum=64)
+
+
+def test_gradient_limit_keeps_latency_under_half_the_timeout() -> None:
+    g = GradientLimit(maximum=64, timeout_s=1.0)
+    for _ in range(400):
+        # A partner queueing: 20 ms alone, 60 ms more per request already in hand.
+        g.sample(0.02 + 0.06 * (g.value - 1), in_flight=g.value)
+    assert 0.02 + 0.06 * (g.value - 1) <= 0.6
+
+
+def test_gradient_limit_gives_a_slow_healthy_partner_what_its_rate_needs() -> None:
+    slow = GradientLimit(maximum=64, timeout_s=10.0)
     for _ in range(300):
-        slow.sample(0.5, rate=40.0, in_flight=slow.value)
-    assert slow.value >= 21
+        # 40/s at 500 ms needs 20 in flight; the pool uses what the rate lets it.
+        slow.sample(0.5, in_flight=min(slow.value, 20))
+    assert slow.value >= 20
 
 
 async def test_concurrency_bound_shows_when_the_maximum_limits_the_pace() -> None:

@@ -4,8 +4,10 @@
   and long-polled until done. With ``ticks`` > 1 the same partner process (same URL, so
   the service's per-partner memory applies) and the same data dir serve every tick, the
   service stopped (SIGTERM) and started again with the same config between them; each
-  tick gets IDs of its own through a JSONL file source. Peak RSS is ``VmHWM`` read just
-  before SIGTERM.
+  tick gets IDs of its own through a JSONL file source, and each tick with a row of its
+  own (``Scenario.tick_rows``: hidden-limit is tick 1 of hidden-limit-memory) becomes a
+  Result of that scenario. Peak RSS is ``VmHWM`` of the tick's process, read just before
+  SIGTERM.
 * ``cron``: ``bench/cron_alone.py`` as a subprocess (reports its own peak RSS).
 * ``celery``: a Celery worker (``bench/celery_peer.py``, thread pool) as a subprocess on
   the Redis broker, fed by ``celery_peer.py produce``; done when the completion counters
@@ -141,9 +143,16 @@ def _fill_from_tick(result: Result, sc: Scenario, tick: dict[str, Any]) -> None:
     _follow(result, sc, tick["samples"], tick["times_s"])
 
 
-async def run_service(sc: Scenario, overrides: dict[str, dict[str, Any]]) -> Result:
-    result = new_result(sc, "service")
-    result.extra["in_flight"] = sc.concurrency
+async def run_service(sc: Scenario, overrides: dict[str, dict[str, Any]]) -> list[Result]:
+    """One run of ``sc`` through the service: a Result per reported tick, in tick order
+    (one for a single tick; with ``tick_rows``, one per tick)."""
+    specs = sc.tick_specs()
+    rows = {k: new_result(spec, "service") for k, spec in enumerate(specs) if spec is not None}
+    final = rows[sc.ticks - 1]
+    for row in rows.values():
+        row.extra["in_flight"] = sc.concurrency
+        if sc.ticks > 1:
+            row.extra.update(run=sc.name, ticks=sc.ticks)
     budget = sc.budget_s("service")
     log = log_path(sc.name, sc.cell.name, "service")
     log.unlink(missing_ok=True)
@@ -153,59 +162,75 @@ async def run_service(sc: Scenario, overrides: dict[str, dict[str, Any]]) -> Res
             port = free_port()
             source = tmp / "candidates.jsonl" if sc.ticks > 1 else None
             doc = service_config(sc, tmp / "var", port, partner.url, overrides, source)
-            result.extra["limits"] = doc["limits"]
+            for row in rows.values():
+                row.extra["limits"] = doc["limits"]
             cfg = tmp / "bench.toml"
             cfg.write_text(dump_toml(doc))
             service = Service(http, cfg, port, tmp, log,
                               clean_env(CUSTOMER_API_TOKEN=partner.token))
             ticks: list[dict[str, Any]] = []
             code: int | None = 0
+            stopped = ""  # why the ticks after the last measured one were not run
             try:
                 for k in range(sc.ticks):
                     if k:
-                        _add_cpu(result, cpu_s(service.pid))
+                        _add_cpu(rows.get(k - 1, final), cpu_s(service.pid))
                         code = await service.stop()
                         if code != 0:
-                            result.notes.append(f"service exited {code} on SIGTERM "
-                                                f"before tick {k + 1}")
+                            final.notes.append(f"service exited {code} on SIGTERM "
+                                               f"before tick {k + 1}")
                     if source is not None:
                         write_ids(source, sc.n * sc.ticks, k * sc.n, sc.n)
                     last = k == sc.ticks - 1
                     try:
                         await service.start()
                         cpu0 = cpu_s(service.pid) or 0.0
-                        tick = await _service_tick(sc, service, partner, http, budget,
-                                                   scrape=sc.scrape and last)
+                        tick = await _service_tick(
+                            sc, service, partner, http, budget,
+                            scrape=sc.scrape and (last or specs[k] is not None))
                     except Exception as exc:
-                        if sc.ticks == 1:
-                            raise
-                        raise RuntimeError(f"tick {k + 1} of {sc.ticks}: "
-                                           f"{type(exc).__name__}: {exc}") from exc
+                        if not ticks:
+                            raise  # nothing measured: run_tool makes every row an error
+                        stopped = (f"error: tick {k + 1} of {sc.ticks}: "
+                                   f"{type(exc).__name__}: {exc}")
+                        break
                     tick["cpu_s"] = (cpu_s(service.pid) or 0.0) - cpu0
                     tick["peak_rss_mb"] = vm_hwm_mb(service.pid)
                     ticks.append(tick)
                     if tick["run"]["state"] != "done" and not last:
-                        result.notes.append(f"tick {k + 1} of {sc.ticks} did not finish "
-                                            "within its budget: the row is that tick")
+                        # Its run would resume after the restart and share the next
+                        # tick's partner: the later ticks are not measured.
+                        stopped = (f"error: not run: tick {k + 1} of {sc.ticks} did not "
+                                   "finish within its budget")
                         break
-                _add_cpu(result, cpu_s(service.pid))
-                _add_cpu(result, cpu_s(partner.pid))
+                _add_cpu(rows.get(len(ticks) - 1, final), cpu_s(service.pid))
+                _add_cpu(final, cpu_s(partner.pid))
             finally:
                 code = await service.stop()
-            row = ticks[-1]
-            _fill_from_tick(result, sc, row)
-            result.peak_rss_mb = row["peak_rss_mb"]
-            result.extra["cpu_s"] = row["cpu_s"]
-            result.extra["ledger_bytes"] = _dir_bytes(tmp / "var")
-            if sc.ticks > 1:
-                result.extra["tick"] = len(ticks)
-                result.extra["earlier_ticks"] = [_tick_summary(sc, t) for t in ticks[:-1]]
-                for i, t in enumerate(result.extra["earlier_ticks"], 1):
-                    result.notes.append(f"tick {i}: wall {t['wall_s'] or 0:.1f} s, ratio "
-                                        f"{_fmt(t['ratio'], '.3f')}, 429 {_fmt(t['share_429'], '.2%')}")
+            for k, tick in enumerate(ticks):
+                measured, spec = rows.get(k), specs[k]
+                if measured is None or spec is None:
+                    continue
+                _fill_from_tick(measured, spec, tick)
+                measured.peak_rss_mb = tick["peak_rss_mb"]
+                measured.extra["cpu_s"] = tick["cpu_s"]
+                if sc.ticks > 1:
+                    measured.extra["tick"] = k + 1
+            for k, row in rows.items():
+                if k >= len(ticks):
+                    row.extra["tick"] = k + 1
+                    row.notes.append(stopped or "error: tick not run")
+            final.extra["ledger_bytes"] = _dir_bytes(tmp / "var")
+            unreported = {k + 1: _tick_summary(sc, t) for k, t in enumerate(ticks)
+                          if k not in rows}
+            if unreported:
+                final.extra["earlier_ticks"] = [{"tick": i, **t} for i, t in unreported.items()]
+                for i, t in unreported.items():
+                    final.notes.append(f"tick {i}: wall {t['wall_s'] or 0:.1f} s, ratio "
+                                       f"{_fmt(t['ratio'], '.3f')}, 429 {_fmt(t['share_429'], '.2%')}")
             if code != 0:
-                result.notes.append(f"service exited {code}; see {log}")
-    return result
+                final.notes.append(f"service exited {code}; see {log}")
+    return list(rows.values())
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -1,4 +1,5 @@
-"""Benchmark: hidden-limit (see scenarios.py).
+"""Benchmark: hidden-limit (see scenarios.py). For the service it is tick 1 of the
+hidden-limit-memory run, so this runs that scenario and prints both rows.
 
 Usage: python bench/hidden_limit.py [--tools service,cron,celery] [--cells a,b] [--rate R] [--quick]
                           [--set section.key=value]

@@ -1,10 +1,11 @@
 """The limiter's rate over time against the partner's true limit, with 429s marked.
 
-One panel per scenario whose service runs recorded samples (hidden-limit, changing-limit),
-drawn for the scenario's WORST cell (highest ratio, then 429 share; matrix.worst): the
-``cleanup_limiter_rate_per_second`` gauge scraped every 250 ms, the partner's true limit,
-the configured ceiling, the deletions per second the partner actually executed, and a
-mark wherever 429s were answered between two scrapes.
+One panel per scenario whose service runs recorded samples (hidden-limit, i.e. tick 1 of
+the hidden-limit-memory runs, and changing-limit), drawn for the scenario's WORST cell
+(highest ratio, then 429 share; matrix.worst): the ``cleanup_limiter_rate_per_second``
+gauge scraped every 250 ms, the partner's true limit, the configured ceiling, the
+deletions per second the partner actually executed, and a mark wherever 429s were
+answered between two scrapes.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def plot_limiter(results: Sequence[Result], path: Path,
                        zorder=5, label="429s answered (size ∝ count per 250 ms)")
         ratio = f"{r.ratio:.2f}" if r.ratio is not None else "—"
         share = f"{r.share_429:.1%}" if r.share_429 is not None else "—"
-        ax.set_title(f"{sc.title}, worst cell {r.cell} ({sc.cell.describe()}): N={r.n:,}, "
+        tick = (f", tick {r.extra.get('tick')} of {r.extra['run']}"
+                if r.extra.get("run") not in (None, r.scenario) else "")
+        ax.set_title(f"{sc.title}{tick}, worst cell {r.cell} ({sc.cell.describe()}): N={r.n:,}, "
                      f"wall {r.elapsed_s:.1f} s, ratio {ratio}, 429 share {share}", fontsize=9)
         ax.set_xlabel("seconds since the tick")
         ax.set_ylabel("requests per second")

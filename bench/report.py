@@ -2,7 +2,8 @@
 
 A matrix scenario gets a table of its own: one row per cell for the service, a line
 naming the worst and the best cell, then the peers' rows (the default cell and the
-service's worst) the same way. Above them a summary: per scenario and tool, the worst
+service's worst) the same way; hidden-limit's service rows are tick 1 of the
+hidden-limit-memory runs. Above them a summary: per scenario and tool, the worst
 cell's figures, which is what the README quotes. Scenarios with a partner of their own
 (minute-window, ratelimit-headers, capacity, article) and growth share one flat table.
 """
@@ -109,11 +110,22 @@ def _worst_best(rows: Sequence[Result]) -> str:
 
 def scenario_section(sc: Scenario, rows: Sequence[Result]) -> str:
     head = (f"### {sc.name}: {sc.title}\n\nN = {sc.n:,}"
-            + (f" per tick, {sc.ticks} ticks (the last is the row)" if sc.ticks > 1 else "")
+            + (" per tick" if sc.ticks > 1 else "")
             + f", partner {sc.r_label()}/s, ceiling {sc.ceiling:g}/s, ideal "
             f"{_f(sc.ideal_s(), '.1f')} s. Target: {sc.target.describe()}.")
-    parts = [head]
+    if sc.ticks > 1:
+        earlier = "".join(f"tick {i} is the {t.name} row, "
+                          for i, t in enumerate(sc.tick_rows[:sc.ticks - 1], 1))
+        head += (f" {sc.ticks} ticks against one partner process and one data dir, the "
+                 f"service restarted in between: {earlier}tick {sc.ticks} this one.")
     service = [r for r in rows if r.tool == "service"]
+    part_of = {(r.extra["run"], r.extra.get("tick")) for r in service
+               if r.extra.get("run") not in (None, sc.name)}
+    peers_too = any(r.tool != "service" for r in rows)
+    for run, tick in sorted(part_of, key=str):
+        head += (f" The service's rows are tick {tick} of the {run} run"
+                 + (" (the peers': a run of this scenario alone)." if peers_too else "."))
+    parts = [head]
     peers = [r for r in rows if r.tool != "service"]
     cols = _columns(sc)
     if service:

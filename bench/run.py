@@ -1,9 +1,11 @@
 """Run the benchmarks (``make bench``) and print their tables.
 
 Default: every matrix scenario (known-limit, hidden-limit, hidden-limit-memory,
-changing-limit, storms) through the service over all 8 partner cells; the peers (cron
-alone, Celery + Redis) on the default cell and on the service's worst cell of each
-scenario; then the growth benchmark (scan and publish of 10k, 100k and 1M candidates).
+changing-limit, storms) through the service over all 8 partner cells, hidden-limit and
+hidden-limit-memory being the two ticks of one run; the peers (cron alone, Celery +
+Redis; at most 15 s a run) on the default cell and on the service's worst cell of each
+scenario but hidden-limit-memory; then the growth benchmark (scan and publish of 10k,
+100k and 1M candidates). About 29 minutes when every cell is near its ideal.
 ``--full`` adds the scenarios with a partner of their own (minute-window,
 ratelimit-headers, capacity, minute-window-long) and the article's case (18,400 at 20/s,
 about 15 minutes per tool). Writes bench/out/results.{md,json}, bench/out/limiter.png (the
@@ -40,13 +42,16 @@ from scenarios import (
     build,
     options,
     report,
+    row_names,
+    to_run,
 )
 
 GROWTH_ESTIMATE_S = 90.0  # 10k + 100k + 1M candidates scanned and published
 PICTURED = ("hidden-limit", "changing-limit")
 
 
-def plots(results: Sequence[Result], scrape_names: Sequence[str]) -> None:
+def plots(results: Sequence[Result], scrape_names: Sequence[str], quick: bool = False) -> None:
+    """limiter-all.png and limiter.png; the latter copied to docs/ unless a quick run."""
     if not any(r.extra.get("samples") and r.scenario in scrape_names for r in results):
         return
     try:
@@ -56,7 +61,9 @@ def plots(results: Sequence[Result], scrape_names: Sequence[str]) -> None:
         return
     plot_limiter(results, OUT / "limiter-all.png", scrape_names)
     png = plot_limiter(results, OUT / "limiter.png", PICTURED)
-    if png is not None:
+    if png is not None and quick:
+        print(f"\nlimiter curve (worst cells): {png} (quick run: not copied to docs/)")
+    elif png is not None:
         docs = REPO / "docs"
         docs.mkdir(exist_ok=True)
         shutil.copyfile(png, docs / "limiter.png")
@@ -82,7 +89,8 @@ def main() -> int:
         if env:
             print(preamble(env, None, None, opts) + "\n")
         print(tables(results))
-        plots(results, list(dict.fromkeys(r.scenario for r in results if r.extra.get("samples"))))
+        plots(results, list(dict.fromkeys(r.scenario for r in results if r.extra.get("samples"))),
+              quick=bool(opts.get("quick")))
         return 0
     scenarios_by_name = build(args.rate, args.quick)
     names = [*MATRIX, *((*OWN_PARTNER, *FULL_ONLY) if args.full else ())]
@@ -95,12 +103,13 @@ def main() -> int:
                              f"{', '.join(scenarios_by_name)}, growth")
         names = [n for n in wanted if n != "growth"]
         growth = growth and "growth" in wanted
-    scenarios = [scenarios_by_name[n] for n in names]
+    scenarios = to_run(names, scenarios_by_name)
     cells = select_cells(args.cells)
     tools = selected_tools(args.tools)
     total, runs = estimate_s(scenarios, tools, cells)
     total += GROWTH_ESTIMATE_S * (QUICK_SCALE if args.quick else 1.0) if growth else 0.0
-    print(f"{len(scenarios)} scenario(s) x {len(cells)} cell(s) "
+    rows = row_names(scenarios)
+    print(f"{len(rows)} scenario(s) in {len(scenarios)} run(s) x {len(cells)} cell(s) "
           f"({', '.join(c.name for c in cells)}); {runs} runs"
           + (" + growth" if growth else "") + f"; about {total / 60:.0f} min",
           file=sys.stderr, flush=True)
@@ -114,7 +123,7 @@ def main() -> int:
         results += run_growth(sizes)
     text = report(results, "results", start, options(args))
     print(text)
-    plots(results, [sc.name for sc in scenarios if sc.scrape])
+    plots(results, [n for sc in scenarios if sc.scrape for n in sc.row_names], quick=args.quick)
     print(f"\n{len(results)} rows in {time.monotonic() - started:.0f} s; "
           f"bench/out/results.md, bench/out/results.json", file=sys.stderr)
     return 0

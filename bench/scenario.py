@@ -76,8 +76,12 @@ class Scenario:
     cell: Cell = DEFAULT_CELL  # the partner's shape; matrix scenarios are run over CELLS
     matrix: bool = False
     # > 1: that many ticks against ONE partner process and ONE service data dir, the
-    # service restarted (SIGTERM, same config) between them; the last tick is the row.
+    # service restarted (SIGTERM, same config) between them; the last tick is this
+    # scenario's row, each earlier one the row of its ``tick_rows`` entry (a single-tick
+    # scenario of its own name, title and target; the peers run that of tick 1, as they
+    # keep nothing from one run to the next). An earlier tick without one is only a note.
     ticks: int = 1
+    tick_rows: tuple[Scenario, ...] = ()
     quick: bool = False  # scaled down for a smoke run: its figures are not to be reported
     concurrency: int = 8
     events: tuple[Event, ...] = ()
@@ -91,11 +95,32 @@ class Scenario:
     peer_budget: tuple[float, float] = (0.5, 8.0)
     cron_budget: tuple[float, float] | None = None
     max_budget_s: float = 150.0
+    max_peer_budget_s: float | None = None  # a tighter cap for the peers' runs
     # Service settings this scenario is run with (section, key, value), before --set.
     service_set: tuple[tuple[str, str, Any], ...] = ()
 
     def on(self, cell: Cell) -> Scenario:
-        return replace(self, cell=cell)
+        return replace(self, cell=cell, tick_rows=tuple(t.on(cell) for t in self.tick_rows))
+
+    def tick_specs(self) -> list[Scenario | None]:
+        """Per tick, the scenario it is reported as (None: not a row; the last: this one)."""
+        earlier: list[Scenario | None] = list(self.tick_rows[:self.ticks - 1])
+        earlier += [None] * (self.ticks - 1 - len(earlier))
+        return [*earlier, self]
+
+    @property
+    def row_names(self) -> list[str]:
+        """The scenarios whose rows one run of this one gives, in tick order."""
+        return [s.name for s in self.tick_specs() if s is not None]
+
+    @property
+    def peer_scenario(self) -> Scenario | None:
+        """What the peers run for this scenario: itself, or its first tick's row (None:
+        a multi-tick scenario without one; the peers keep nothing from a tick to the next)."""
+        if self.ticks == 1:
+            return self
+        first = self.tick_specs()[0]
+        return first if first is not None and first.ticks == 1 else None
 
     @property
     def unlimited(self) -> bool:
@@ -138,7 +163,10 @@ class Scenario:
         factor, extra = (self.service_budget if tool == "service" else
                          self.cron_budget if tool == "cron" and self.cron_budget else
                          self.peer_budget)
-        return min(self.max_budget_s, ideal * factor + extra)
+        cap = self.max_budget_s
+        if tool != "service" and self.max_peer_budget_s is not None:
+            cap = min(cap, self.max_peer_budget_s)
+        return min(cap, ideal * factor + extra)
 
     def sandbox_args(self) -> list[str]:
         # Every tick gets recipients of its own: tick k lists IDs k*N+1 .. (k+1)*N.
@@ -168,6 +196,8 @@ class Scenario:
             if d.get(key) is not None:
                 d[key] = tuple(d[key])
         d["service_set"] = tuple(tuple(x) for x in d.get("service_set", ()))
+        d["tick_rows"] = tuple(cls.from_dict(t) for t in d.get("tick_rows", ())
+                               if isinstance(t, dict))
         names = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in names})
 

@@ -57,6 +57,8 @@ PLATEAU = 0.95
 NEAR = 1.03
 # The cut when throttled again at once: the limit is far below.
 HALVE = 0.5
+# A 429 this soon after resuming, at the rate just cut to, means the limit is far below.
+FAR_WITHIN_S = 1.0
 # After a failed probe, the plateau sits this far under the rate that failed.
 PROBE_BACK = 0.97
 # A plateau that held this many recovery periods without a 429 is trusted by memory.
@@ -266,21 +268,24 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
                            rate=max(cfg.floor, w_max), learnt_at=now, probe_s=cfg.max_probe_s,
                            last_cut="edge")
         return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
-    quick = now - s.cut_at < cfg.recovery_s
-    if quick and (s.last_cut == "edge" or (s.last_cut == "lower" and rate <= s.cut_to * NEAR)):
-        # Throttled again at once at the rate just cut to (or just after taking a 429 for
-        # an edge): the limit is far below. Halve, and climb back from underneath: a
-        # climb costs no pause, every step down from above costs one.
+    # Refused again within a second of resuming, at the rate just cut to (or right after
+    # an edge trim): the partner's burst drained at once, so the limit is far below.
+    resumed_s = now - max(s.paused_until, s.cut_at)
+    if (s.last_cut in ("edge", "lower") and resumed_s < FAR_WITHIN_S
+            and rate <= s.cut_to * NEAR):
+        # Halve, and climb back from underneath: a climb costs no pause, every step down
+        # from above costs one.
         return _lower(cfg, s, rate * HALVE, rate * HALVE, now)
-    if rate > s.w_max * NEAR or s.last_cut == "probe":
-        # A probe above the plateau failed (or the plateau it left us on is a little too
-        # high): the limit is just under this rate. Settle a step below it; the next
-        # probe waits twice as long.
-        w_max = min(rate, max(s.w_max if rate > s.w_max * NEAR else 0.0, rate * PROBE_BACK))
+    if rate > s.w_max * NEAR or rate <= s.cut_to * NEAR:
+        # A probe above the plateau failed, or the level we settled on was refused after
+        # holding a while: the limit is just under this rate. Settle a step below it (no
+        # lower than a plateau that held); the next probe waits twice as long.
+        held = s.w_max if rate > s.w_max * NEAR else 0.0
+        w_max = min(rate, max(held, rate * PROBE_BACK))
         return replace(s, rate=max(cfg.floor, w_max), w_max=w_max, cut_to=w_max, cut_at=now,
                        probe_s=min(cfg.max_probe_s, s.probe_s * 2), learnt_at=now,
                        last_cut="probe")
-    # Throttled at (or climbing back to) the plateau: the plateau itself is too high.
+    # Throttled while climbing back to the plateau: the plateau itself is too high.
     return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
 
 

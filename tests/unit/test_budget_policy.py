@@ -228,11 +228,12 @@ def replace_rate(s: BudgetState, rate: float) -> BudgetState:
 
 
 def test_a_429_at_the_settled_rate_after_it_held_a_while_steps_down_instead_of_halving() -> None:
-    # A jitter 429 on a strict partner, long after the cut: not "far above".
-    c = cfg(decrease_factor=0.8)
-    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 1.0), T0)
-    s = step(c, s, Success(), T0 + 3.0)  # resumed at T0 + 1, held two seconds at 48
+    # A jitter 429 on a strict partner, long after the edge trim: not "far above".
+    c = cfg()
+    s = step(c, initial(c), Throttle(T0 - 0.01, 1.0), T0)
     held = s.rate
+    s = step(c, s, Success(), T0 + 3.0)  # resumed at T0 + 1, held two seconds
+    assert s.rate == pytest.approx(held)
     s = step(c, s, Throttle(T0 + 3.0, 1.0), T0 + 3.0)
     assert s.rate == pytest.approx(held * policy.PROBE_BACK)
     assert s.last_cut == "probe"

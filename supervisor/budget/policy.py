@@ -62,7 +62,7 @@ FAR_WITHIN_S = 1.0
 # After a failed probe, the plateau sits this far under the rate that failed.
 PROBE_BACK = 0.97
 # A plateau that held this many recovery periods without a 429 is trusted by memory.
-VERIFIED_AFTER = 1.0
+VERIFIED_AFTER = 2.0
 # "At the top": pacing within this fraction of the highest rate allowed.
 AT_TOP = 0.98
 # A 429 without Retry-After: pause everyone this long, doubling per 429 in a row.

@@ -241,8 +241,8 @@ class LimitsConfig:
     burst: float = 1.25
     # Pace this fraction under a limit we know (the ceiling, an announced one).
     headroom: float = 0.01
-    # On a 429 below the top: x this of the throttled rate (squared when throttled again
-    # before the recovery got anywhere).
+    # On a 429 below the top: x this of the throttled rate (halved instead when refused
+    # again within a second of resuming: the limit is far below).
     decrease_factor: float = 0.8
     # On a 429 at the known ceiling: trim the rate by this and pace strictly.
     edge_trim: float = 0.03

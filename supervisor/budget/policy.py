@@ -17,8 +17,9 @@ The policy, and why:
   rate is trimmed by ``edge_trim``, and pacing turns *strict* (no catch-up bursts after a
   late wake-up). A deep cut here would cost a third of the run for nothing.
 * **Elsewhere a 429 cuts multiplicatively** to ``decrease_factor`` of the throttled rate,
-  with ``W_max`` (the plateau of the recovery) at 0.95 of it. Throttled again at once at
-  the rate just cut to, or just after an edge trim, the limit is far below: **halve**, and
+  with ``W_max`` (the plateau of the recovery) at 0.95 of it. Refused again within a
+  second of resuming at the rate just cut to (or just after an edge trim), the partner's
+  burst drained at once and the limit is far below: **halve**, and
   climb back from underneath, because every step down from above costs a Retry-After pause
   of every worker while a climb costs none. Measuring the partner's acceptance rate does
   not help here: we pause on every Retry-After, so what succeeded before the 429 is just

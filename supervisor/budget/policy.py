@@ -271,23 +271,36 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
         return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
     # Refused again within a second of resuming, at the rate just cut to (or right after
     # an edge trim): the partner's burst drained at once, so the limit is far below.
+    plateau = s.w_max
     resumed_s = now - max(s.paused_until, s.cut_at)
     if (s.last_cut in ("edge", "lower") and resumed_s < FAR_WITHIN_S
             and rate <= s.cut_to * NEAR):
         # Halve, and climb back from underneath: a climb costs no pause, every step down
-        # from above costs one.
+        # from above costs one. After an edge trim this refutes the edge: nothing says the
+        # partner refuses close arrivals, so pacing is tolerant again.
+        if s.last_cut == "edge":
+            s = replace(s, strict=False)
         return _lower(cfg, s, rate * HALVE, rate * HALVE, now)
-    if rate > s.w_max * NEAR or rate <= s.cut_to * NEAR:
-        # A probe above the plateau failed, or the level we settled on was refused after
-        # holding a while: the limit is just under this rate. Settle a step below it (no
-        # lower than a plateau that held); the next probe waits twice as long.
-        held = s.w_max if rate > s.w_max * NEAR else 0.0
-        w_max = min(rate, max(held, rate * PROBE_BACK))
-        return replace(s, rate=max(cfg.floor, w_max), w_max=w_max, cut_to=w_max, cut_at=now,
-                       probe_s=min(cfg.max_probe_s, s.probe_s * 2), learnt_at=now,
-                       last_cut="probe")
+    if rate > plateau * NEAR:
+        # A probe above the plateau failed: the limit is just under this rate. Settle a
+        # step below it (no lower than the plateau, which held); the next probe waits
+        # twice as long.
+        return _settle(cfg, s, max(plateau, rate * PROBE_BACK), now)
+    if rate <= s.cut_to * NEAR:
+        # The level we settled on was refused after holding a while: a partner that
+        # refuses close arrivals (a bucket of one token) at a rate it otherwise takes.
+        # Pace strictly first; already strict, a step lower.
+        if not s.strict:
+            return _settle(cfg, replace(s, strict=True), min(rate, top(cfg, s)), now)
+        return _settle(cfg, s, rate * PROBE_BACK, now)
     # Throttled while climbing back to the plateau: the plateau itself is too high.
     return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
+
+
+def _settle(cfg: PolicyConfig, s: BudgetState, w_max: float, now: float) -> BudgetState:
+    w_max = max(cfg.floor, w_max)
+    return replace(s, rate=w_max, w_max=w_max, cut_to=w_max, cut_at=now, learnt_at=now,
+                   probe_s=min(cfg.max_probe_s, s.probe_s * 2), last_cut="probe")
 
 
 def _lower(cfg: PolicyConfig, s: BudgetState, cut_to: float, w_max: float,

@@ -82,6 +82,7 @@ def test_a_429_soon_after_an_edge_trim_was_no_edge_and_halves() -> None:
     assert s.last_cut == "edge"
     s = step(c, s, Throttle(T0 + 1.1, 1.0), T0 + 1.2)
     assert s.rate == pytest.approx(99.0 * 0.97 * policy.HALVE)
+    assert not s.strict  # the edge is refuted: nothing says the partner is strict
 
 
 def test_a_429_for_a_request_granted_before_the_cut_does_not_cut_again() -> None:
@@ -124,8 +125,13 @@ def test_a_failed_probe_settles_just_under_it_and_doubles_the_next_probe() -> No
     assert s.probe_s == 24.0
     assert s.w_max == pytest.approx(max(plateau, probed * policy.PROBE_BACK))
     assert s.rate == s.w_max
-    # Throttled again on that plateau: a step lower, not a deep cut.
+    # Refused on that plateau after it held: pace strictly at the same rate first...
+    assert not s.strict
     s = step(c, s, Throttle(T0 + 17.0, None), T0 + 18.0)
+    assert s.strict
+    assert s.rate == pytest.approx(probed * policy.PROBE_BACK)
+    # ...then, strict already, a step lower; never a deep cut.
+    s = step(c, s, Throttle(T0 + 19.0, None), T0 + 20.0)
     assert s.rate == pytest.approx(probed * policy.PROBE_BACK ** 2)
 
 

@@ -245,7 +245,11 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
     s = replace(s, throttles=s.throttles + 1)
     imposed = (cfg.long_pause_s > 0 and ev.retry_after_s is not None
                and ev.retry_after_s >= cfg.long_pause_s)
-    if ev.sent_at >= s.cut_at and not imposed:
+    # Refused again with no time given and nothing accepted since our own backoff: the
+    # partner is closed (a storm), not slower. Back off longer; cutting again would
+    # take the rate to the floor for a pause it never announced.
+    closed = ev.retry_after_s is None and s.blind > 0
+    if ev.sent_at >= s.cut_at and not imposed and not closed:
         s = _cut(cfg, s, now)
     if ev.retry_after_s is not None:
         if ev.retry_after_s > 0:

@@ -71,8 +71,8 @@ def test_a_429_below_the_top_cuts_by_the_decrease_factor() -> None:
 
 def test_a_second_429_at_the_rate_just_cut_to_halves_it() -> None:
     c = cfg(decrease_factor=0.8)
-    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, None), T0)
-    s = step(c, s, Throttle(T0 + 0.5, None), T0 + 0.6)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 0.2), T0)
+    s = step(c, s, Throttle(T0 + 0.5, 0.2), T0 + 0.6)  # 0.4 s after resuming
     assert s.rate == pytest.approx(48.0 * policy.HALVE)
 
 
@@ -115,23 +115,23 @@ def test_recovery_is_concave_to_the_plateau_then_probes_to_the_ceiling() -> None
 
 def test_a_failed_probe_settles_just_under_it_and_doubles_the_next_probe() -> None:
     c = cfg(probe_seconds=12.0, recovery_seconds=8.0)
-    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, None), T0)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 0.5), T0)
     plateau = s.w_max
     assert plateau is not None
     s = step(c, s, Success(), T0 + 16.0)  # 8 s into the probe above the plateau
     probed = s.rate
     assert probed > plateau * policy.NEAR
-    s = step(c, s, Throttle(T0 + 16.0, None), T0 + 16.0)
+    s = step(c, s, Throttle(T0 + 16.0, 0.5), T0 + 16.0)
     assert s.probe_s == 24.0
     assert s.w_max == pytest.approx(max(plateau, probed * policy.PROBE_BACK))
     assert s.rate == s.w_max
     # Refused on that plateau after it held: pace strictly at the same rate first...
     assert not s.strict
-    s = step(c, s, Throttle(T0 + 17.0, None), T0 + 18.0)
+    s = step(c, s, Throttle(T0 + 17.0, 0.5), T0 + 18.0)
     assert s.strict
     assert s.rate == pytest.approx(probed * policy.PROBE_BACK)
     # ...then, strict already, a step lower; never a deep cut.
-    s = step(c, s, Throttle(T0 + 19.0, None), T0 + 20.0)
+    s = step(c, s, Throttle(T0 + 19.0, 0.5), T0 + 20.0)
     assert s.rate == pytest.approx(probed * policy.PROBE_BACK ** 2)
 
 
@@ -243,3 +243,16 @@ def test_a_429_at_the_settled_rate_after_it_held_a_while_steps_down_instead_of_h
     s = step(c, s, Throttle(T0 + 3.0, 1.0), T0 + 3.0)
     assert s.rate == pytest.approx(held * policy.PROBE_BACK)
     assert s.last_cut == "probe"
+
+
+def test_429s_without_retry_after_and_nothing_accepted_back_off_without_cutting_again() -> None:
+    # A storm the partner does not announce: one cut, then only a longer backoff.
+    c = cfg()
+    s = replace_rate(initial(c), 60.0)
+    s = step(c, s, Throttle(T0 - 0.01, None), T0)
+    cut = s.rate
+    for _ in range(5):
+        now = s.paused_until
+        s = step(c, s, Throttle(now, None), now + 0.001)
+        assert s.rate == cut
+    assert s.paused_until - (now + 0.001) == pytest.approx(policy.BLIND_BASE_S * 2 ** 5)

@@ -98,8 +98,10 @@ async def test_ratelimit_headers_set_the_pace_after_the_first_wave(e2e):
     run = await svc.wait_done(run_id)
     _, stats = await e2e.assert_complete(svc, run, sandbox)
 
-    # Only the first wave was refused; after it the service paced by the announcement.
-    assert 1 <= stats["rate_limited"] <= workers, stats
+    # At most the first wave was refused (the in-flight limit starts small and follows
+    # latency, so the wave is often absorbed by the partner's burst); after it the service
+    # paced by the announcement.
+    assert stats["rate_limited"] <= workers, stats
     assert stats["max_rate_observed_1s"] <= announced + 10, stats
     m = await svc.metrics()
     # Paced by the announcement, a little under it (limits.headroom, 1 % by default).

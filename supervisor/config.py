@@ -253,9 +253,11 @@ class LimitsConfig:
     probe_seconds: float = 12.0
     max_probe_seconds: float = 600.0
     floor_per_second: float = 0.5
-    # A Retry-After this long or longer is a pause the partner imposes (maintenance, a quota
-    # window), not a rate signal: every worker waits, the rate is not cut. 0: every 429 cuts.
-    long_pause_seconds: float = 0.0
+    # A Retry-After this long or longer is a pause the partner imposes (maintenance, a
+    # window, a storm), not a rate signal: every worker waits, the rate is not cut. A
+    # whole-second Retry-After for a wait of a few milliseconds reads as 1 s (seconds) or
+    # up to 2 s (HTTP-date), so anything past 2.5 s is a real wait. 0: every 429 cuts.
+    long_pause_seconds: float = 2.5
     # What a run learnt (per partner base URL) drifts back towards the ceiling this fast.
     memory_half_life_seconds: float = 7 * 86400.0
     quota: tuple[QuotaConfig, ...] = ()

@@ -361,6 +361,17 @@ class Service:
             assert resp.status == 200
             return Metrics(await resp.text())
 
+    async def paused_until(self, within_s: float = 5.0) -> float:
+        """The paused-until gauge once it is set (0 if not by the deadline). A gauge has no
+        event to wait for and the monitor refreshes it each second: this reads /metrics
+        every 50 ms until the deadline."""
+        deadline = time.monotonic() + within_s
+        while True:
+            value = (await self.metrics()).value("cleanup_limiter_paused_until_timestamp_seconds")
+            if value > 0 or time.monotonic() >= deadline:
+                return value
+            await asyncio.sleep(0.05)
+
     # the ledger file, read directly only while no process holds it
 
     def ledger_snapshot(self) -> dict[str, Any]:

@@ -17,17 +17,6 @@ pytestmark = pytest.mark.e2e
 PAUSE_S = 900.0
 
 
-async def _paused_until(svc, within_s: float = 5.0) -> float:
-    """The paused-until gauge once set (a gauge has no event to wait for; the monitor
-    refreshes it each second, so this reads /metrics every 50 ms until the deadline)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        value = (await svc.metrics()).value("cleanup_limiter_paused_until_timestamp_seconds")
-        if value > 0 or time.monotonic() >= deadline:
-            return value
-        await asyncio.sleep(0.05)
-
-
 @pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
 async def test_a_restart_during_a_long_pause_sends_nothing_before_it_ends(e2e, stop) -> None:
     sandbox = await e2e.sandbox("--recipients", 400, "--rate", 0)
@@ -40,7 +29,7 @@ async def test_a_restart_during_a_long_pause_sends_nothing_before_it_ends(e2e, s
     await sandbox.control(pause_seconds=PAUSE_S)  # every DELETE: 429, Retry-After: 900
     before = await sandbox.stats()
     await sandbox.wait(requests_during_pause=1)
-    paused_until = await _paused_until(svc)
+    paused_until = await svc.paused_until()
     assert began + PAUSE_S - 1 <= paused_until <= began + PAUSE_S + 2
 
     if stop == "sigterm":
@@ -52,7 +41,7 @@ async def test_a_restart_during_a_long_pause_sends_nothing_before_it_ends(e2e, s
     await sandbox.control(pause_seconds=0)
     settled = await sandbox.stats()
     await svc.start()
-    assert await _paused_until(svc) == pytest.approx(paused_until, abs=0.01)
+    assert await svc.paused_until() == pytest.approx(paused_until, abs=0.01)
     # A full second of a 50/s budget: nothing may reach the partner.
     await asyncio.sleep(1.5)  # the absence of requests has no event to wait for
     after = await sandbox.stats()

@@ -8,7 +8,6 @@ the pause, and the run still ends with every operation terminal.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -19,17 +18,6 @@ POPULATION = 600
 CEILING = 200.0
 CONCURRENCY = 8
 PAUSE_S = 2.0
-
-
-async def _paused_until(svc, within_s: float) -> float:
-    """The ``paused_until`` gauge once it is set. A gauge has no event to wait for, so this
-    reads /metrics every 50 ms until the deadline (the monitor refreshes it each second)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        value = (await svc.metrics()).value("cleanup_limiter_paused_until_timestamp_seconds")
-        if value > 0 or time.monotonic() >= deadline:
-            return value
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("retry_after_format", ["seconds", "http-date"])
@@ -49,7 +37,7 @@ async def test_429_storm_pauses_every_worker_and_lowers_the_rate(e2e, retry_afte
     await sandbox.control(pause_seconds=PAUSE_S)
     # The storm's first 429 is on its way back to the service.
     await sandbox.wait(requests=before["requests"] + 1)
-    paused_until = await _paused_until(svc, within_s=PAUSE_S)
+    paused_until = await svc.paused_until(PAUSE_S)
     # Every worker holds until the partner's Retry-After: not jittered, never earlier.
     # (An HTTP-date has whole seconds and the simulator rounds it up.)
     slack = 1.0 if retry_after_format == "seconds" else 2.0

@@ -143,8 +143,9 @@ async def test_memory_restores_a_pause_and_the_learnt_limit_across_lives() -> No
     await first.start()
     for _ in range(3):
         first.release(await first.acquire(), Feedback(Outcome.OK, 0.001))
-    grant = await first.acquire()
-    first.release(grant, Feedback(Outcome.THROTTLED, 0.001, retry_after_s=900.0))
+    # A 429 that teaches a lower rate, then a long Retry-After (an imposed pause: no cut).
+    first.release(await first.acquire(), Feedback(Outcome.THROTTLED, 0.001, retry_after_s=None))
+    first.pause(time.time() + 900.0, "retry-after")
     await first.save()
     second = budget(store)
     await second.start()

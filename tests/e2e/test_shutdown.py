@@ -170,8 +170,10 @@ async def test_sigterm_during_a_retry_after_pause_does_not_wait_it_out(e2e):
     run_id = await svc.open_run()
     await sandbox.wait(executions=int(POPULATION * 0.3))
     before = await sandbox.stats()
-    await sandbox.control(pause_seconds=30)
-    await sandbox.wait(requests=before["requests"] + 1)  # a 429 with Retry-After: 30
+    await sandbox.control(pause_seconds=8)
+    await sandbox.wait(requests=before["requests"] + 1)  # a 429 with Retry-After: 8
+    paused_until = await svc.paused_until()
+    assert paused_until > time.time()
 
     signalled = time.monotonic()
     sp.send(signal.SIGTERM)
@@ -183,9 +185,15 @@ async def test_sigterm_during_a_retry_after_pause_does_not_wait_it_out(e2e):
     assert ledger["leased"] == 0, ledger
     assert ledger["states"].get("in_flight", 0) == 0, ledger
 
+    # The partner lifts its storm early, but the next process remembers the pause it
+    # announced and sends nothing before it ends.
     await sandbox.control(pause_seconds=0)
+    lifted = await sandbox.stats()
     await svc.start()
+    assert await svc.paused_until() == pytest.approx(paused_until, abs=0.01)
+    assert (await sandbox.stats())["requests"] == lifted["requests"]
     run = await svc.wait_done(run_id)
+    assert time.time() >= paused_until
     ops, stats = await e2e.assert_complete(svc, run, sandbox)
     assert stats["requests_during_pause"] <= 8, stats
     assert all(op["attempts"] == 1 for op in ops)  # 429s are not failed attempts

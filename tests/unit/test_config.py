@@ -167,6 +167,17 @@ probe_path = "/probe"
     ("[limits]\nburst = 0", "limits.burst must be >= 1, got 0.0"),
     ("[limits]\nrate_per_second = 1\nfloor_per_second = 2",
      "limits.floor_per_second must be <= limits.rate_per_second, got 2.0 > 1.0"),
+    ("[limits]\nheadroom = 0.7", "limits.headroom must be >= 0 and < 0.5, got 0.7"),
+    ("[limits]\nquota = 5", "limits.quota must be an array of tables ([[limits.quota]])"),
+    ("[[limits.quota]]\nlimit = 0\nperiod_seconds = 60", "limits.quota[0].limit must be > 0"),
+    ("[[limits.quota]]\nlimit = 10", "limits.quota[0].period_seconds must be > 0"),
+    ("[[limits.quota]]\nlimit = 10\nperiod_seconds = 60\nwindow = 3",
+     "limits.quota[0].window is not a known key"),
+    ('[[limits.quota]]\nlimit = "many"\nperiod_seconds = 60',
+     "limits.quota[0].limit must be an integer, got 'many'"),
+    ("[[limits.quota]]\nlimit = 1\nperiod_seconds = 60\n"
+     "[[limits.quota]]\nlimit = 2\nperiod_seconds = 60",
+     "limits.quota[1].name '60s' is used twice"),
 ])
 def test_single_problem(tmp_path: Path, toml: str, fragment: str) -> None:
     problems = problems_of(write(tmp_path, toml + "\n"), TOKEN_ENV)
@@ -363,3 +374,13 @@ def test_env_text_for_a_text_key_is_taken_as_text() -> None:
                                        "CLEANUP__SCHEDULE__DIGEST_CUTOFF_SECONDS": "60"})
     assert typed.limits.concurrency == 3
     assert typed.schedule.digest_cutoff_seconds == 60.0
+
+
+def test_quotas_load_as_typed_entries_and_from_the_environment(tmp_path: Path) -> None:
+    cfg = config.load(write(tmp_path, (
+        '[[limits.quota]]\nname = "day"\nlimit = 50000\nperiod_seconds = 86400\n'
+        "[[limits.quota]]\nlimit = 3000\nperiod_seconds = 3600\n")), environ=TOKEN_ENV)
+    assert [(q.name, q.limit, q.period_seconds) for q in cfg.limits.quotas] == [
+        ("day", 50000, 86400.0), ("3600s", 3000, 3600.0)]
+    env = {**TOKEN_ENV, "CLEANUP__LIMITS__QUOTA": "[{limit = 5, period_seconds = 2}]"}
+    assert config.load(None, environ=env).limits.quotas[0].limit == 5

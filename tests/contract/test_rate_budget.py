@@ -1,0 +1,102 @@
+"""The RateBudget contract: what the consumer, the reconciler and the monitor rely on,
+run against every implementation (the in-process one today; a budget shared through
+PostgreSQL later joins the ``budgets`` fixture and must pass the same class)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from supervisor.budget.base import Feedback, Outcome, RateBudget
+from supervisor.budget.local import LocalBudget
+from supervisor.budget.policy import BudgetState
+from supervisor.config import LimitsConfig
+
+Factory = Callable[..., RateBudget]
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, Any]] = {}
+
+    async def load_budget(self, key: str) -> dict[str, Any] | None:
+        return self.data.get(key)
+
+    async def save_budget(self, key: str, data: dict[str, Any]) -> None:
+        self.data[key] = json.loads(json.dumps(data))  # what a database row would hold
+
+
+def _local(store: MemoryStore, **limits: Any) -> RateBudget:
+    return LocalBudget(LimitsConfig(**{"rate_per_second": 40.0, "concurrency": 4, **limits}),
+                       key="http://partner", store=store)
+
+
+@pytest.fixture(params=[_local], ids=["local"])
+def make(request: pytest.FixtureRequest) -> Factory:
+    return request.param  # type: ignore[no-any-return]
+
+
+class TestRateBudgetContract:
+    async def test_grants_are_paced_at_no_more_than_the_rate(self, make: Factory) -> None:
+        budget = make(MemoryStore())
+        await budget.start()
+        started = time.monotonic()
+        for _ in range(21):
+            budget.release(await budget.acquire(), Feedback(Outcome.OK, 0.001))
+        # 20 intervals at 40/s (less 1 % headroom) cannot take less than half a second.
+        assert time.monotonic() - started >= 20 / 40.0 * 0.95
+
+    async def test_a_pause_holds_ready_and_acquire_until_it_ends(self, make: Factory) -> None:
+        budget = make(MemoryStore())
+        await budget.start()
+        until = time.time() + 0.3
+        budget.pause(until, "test")
+        assert budget.snapshot().paused_until == until
+        grant = await asyncio.wait_for(budget.acquire(), 2.0)
+        assert grant.at >= until
+        await asyncio.wait_for(budget.ready(), 0.1)  # over: returns at once
+
+    async def test_a_throttle_lowers_the_rate_and_a_retry_after_pauses(self,
+                                                                     make: Factory) -> None:
+        budget = make(MemoryStore())
+        await budget.start()
+        before = budget.snapshot().rate
+        budget.release(await budget.acquire(), Feedback(Outcome.THROTTLED, 0.001, 1.0))
+        snap = budget.snapshot()
+        assert snap.rate < before
+        assert snap.paused_until == pytest.approx(time.time() + 1.0, abs=0.1)
+
+    async def test_cancelling_acquire_takes_nothing(self, make: Factory) -> None:
+        budget = make(MemoryStore(), concurrency=1)
+        await budget.start()
+        grant = await budget.acquire()
+        waiter = asyncio.ensure_future(budget.acquire())
+        await asyncio.sleep(0)  # one turn of the loop: the waiter starts (or not: either way)
+        waiter.cancel()
+        budget.release(grant, Feedback(Outcome.OK, 0.001))
+        assert budget.snapshot().in_flight == 0
+
+    async def test_what_was_learnt_survives_a_new_life(self, make: Factory) -> None:
+        store = MemoryStore()
+        first = make(store)
+        await first.start()
+        first.release(await first.acquire(), Feedback(Outcome.THROTTLED, 0.001, None))
+        first.pause(time.time() + 600, "retry-after")
+        await first.save()
+        second = make(store)
+        await second.start()
+        assert second.snapshot().paused_until == pytest.approx(time.time() + 600, abs=2)
+        assert second.snapshot().state.w_max is not None
+
+    async def test_the_state_is_small_and_serialisable(self, make: Factory) -> None:
+        budget = make(MemoryStore())
+        await budget.start()
+        state = budget.snapshot().state
+        blob = json.dumps(state.to_dict())
+        assert len(blob) < 1024
+        assert BudgetState.from_dict(json.loads(blob)) == state

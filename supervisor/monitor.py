@@ -32,7 +32,6 @@ class Monitor:
         self.settled = asyncio.Event()
 
     async def run(self) -> None:
-        metrics.LIMITER_CEILING.set(self.budget.snapshot().ceiling)
         last_refresh = 0.0
         while True:
             with contextlib.suppress(TimeoutError):

@@ -104,8 +104,8 @@ def parse_policies(headers: Mapping[str, str], now: float) -> tuple[Policy, ...]
       drafts' ``RateLimit-Policy: 100;w=60`` with ``RateLimit-Remaining/-Reset``.
     * ``X-RateLimit-Limit/-Remaining/-Reset``: one policy with no window. ``-Reset`` is
       seconds until the reset, or a Unix time when it is that large (GitHub). No window is
-      sent: a reset at most a minute away makes it a pace (window = the reset, rounded up
-      to a second), anything longer a quota.
+      sent: a reset within a second makes it a per-second pace, anything further a quota
+      that holds everyone once spent.
 
     Unparseable parts are ignored: pacing then falls back to 429s.
     """
@@ -138,8 +138,10 @@ def parse_policies(headers: Mapping[str, str], now: float) -> tuple[Policy, ...]
         reset = _number(headers.get("X-RateLimit-Reset"))
         if reset is not None and reset > 1e9:  # a Unix time, not a delay
             reset = max(0.0, reset - now)
-        # The window is not sent; a reset no further than a minute away makes this a pace.
-        window = max(1.0, math.ceil(reset)) if reset is not None and reset <= 60 else 86400.0
+        # The window is not sent. A reset within a second is a per-second limit, a pace;
+        # anything further is a budget to spend until the reset (its window is unknown:
+        # a reset 30 s away may be the middle of a minute, so limit / reset is no pace).
+        window = 1.0 if reset is not None and reset <= 1 else 86400.0
         out["x-ratelimit"] = Policy("x-ratelimit", int(limit), window,
                                     None if remaining is None else int(remaining), reset)
     return tuple(out.values())

@@ -61,7 +61,6 @@ class Reconciler:
 
     async def probe(self, op: Operation) -> Presence:
         # Probes spend the same budget as deletions: a partner may count every request.
-        await self.budget.ready()
         grant = await self.budget.acquire()
         try:
             presence, detail = await self.partner.probe(op.recipient_id)

@@ -107,8 +107,8 @@ class Service:
         ledger = SqliteLedger(db, owns_queue=True)
         released = await queue.recover_leases()
         await ledger.release_dead_owners()
-        budget = self.budget = LocalBudget(c.limits, key=c.partner.base_url, store=ledger,
-                                           timeout_s=c.partner.request_timeout_seconds)
+        budget = LocalBudget(c.limits, key=c.partner.base_url, store=ledger,
+                             timeout_s=c.partner.request_timeout_seconds)
         await budget.start()
         partner = PartnerClient(c.partner, c.limits.concurrency)
         await partner.start()

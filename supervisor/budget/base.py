@@ -66,7 +66,8 @@ class Snapshot:
     concurrency_limit: int
     concurrency_max: int
     in_flight: int
-    latency_s: float | None
+    # The configured maximum in flight, not the rate, bounds the pace (Little's law).
+    concurrency_bound: bool = False
     quotas: tuple[QuotaView, ...] = field(default_factory=tuple)
 
     @property
@@ -76,13 +77,6 @@ class Snapshot:
     @property
     def paused_until(self) -> float:
         return self.state.paused_until
-
-    @property
-    def concurrency_bound(self) -> bool:
-        """The configured maximum in flight, not the rate, bounds the pace (Little's law)."""
-        if self.latency_s is None or self.concurrency_limit < self.concurrency_max:
-            return False
-        return self.state.rate * self.latency_s > self.concurrency_max
 
     def projected_finish(self, remaining_ops: int, now: float) -> float:
         """When ``remaining_ops`` more requests will have been sent, given the rate, a

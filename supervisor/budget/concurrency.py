@@ -48,6 +48,13 @@ class GradientLimit:
     def value(self) -> int:
         return max(1, min(self.maximum, math.floor(self.limit)))
 
+    def bounds(self, rate: float) -> bool:
+        """Whether the configured maximum, reached, is what holds ``rate`` back: at the
+        usual latency the rate needs more in flight (Little's law). A gradient limit below
+        the maximum is the partner's latency speaking, not the configuration."""
+        return (self.long is not None and self.value >= self.maximum
+                and rate * self.long > self.maximum)
+
     def sample(self, latency_s: float, in_flight: int) -> None:
         if not latency_s >= 0 or not math.isfinite(latency_s):
             return

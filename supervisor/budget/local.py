@@ -64,7 +64,7 @@ class LocalBudget:
                  clock: Callable[[], float] = time.time, timeout_s: float = math.inf) -> None:
         self.cfg = PolicyConfig.from_limits(limits)
         self.key = key
-        self.burst = limits.burst
+        self._burst = limits.burst
         self._store = store
         self._clock = clock
         self._state = policy.initial(self.cfg)
@@ -75,8 +75,9 @@ class LocalBudget:
         self._in_flight = 0
         self._slot_free: asyncio.Event | None = None
         self._quotas = [RollingQuota(q.name, q.limit, q.period_seconds) for q in limits.quotas]
-        self._announced: dict[str, Policy] = {}  # the partner's longer policies, by name
-        self._announced_at = 0.0
+        # The partner's longer policies, by name, with when each was announced (its reset
+        # counts from then).
+        self._announced: dict[str, tuple[Policy, float]] = {}
         self._saving: asyncio.Task[None] | None = None
         self._bound_logged = False
 
@@ -94,7 +95,7 @@ class LocalBudget:
         except (TypeError, ValueError):
             log.warning("budget memory for %s unreadable; starting fresh", self.key)
             return
-        self._set(policy.remembered(self.cfg, memory, now))
+        self._set(policy.remembered(self.cfg, memory, now), save=False)
         for quota in self._quotas:
             quota.restore(data.get("quotas", {}).get(quota.name), now)
         log.info("budget for %s starts at %.1f/s (learnt %s, paused until %s)", self.key,
@@ -132,7 +133,7 @@ class LocalBudget:
         return self._bucket, self._changed, self._slot_free
 
     def _capacity(self) -> float:
-        return 1.0 if self._state.strict else self.burst
+        return 1.0 if self._state.strict else self._burst
 
     def _held_until(self, now: float) -> tuple[float, str]:
         until, reason = self._state.paused_until, self._state.pause_reason
@@ -194,20 +195,11 @@ class LocalBudget:
             self._bound_check()
             self._set(policy.step(self.cfg, self._state, policy.Success(), now))
         elif feedback.outcome is Outcome.THROTTLED:
-            before = self._state
-            self._set(policy.step(self.cfg, before,
+            self._set(policy.step(self.cfg, self._state,
                                   policy.Throttle(grant.at, feedback.retry_after_s), now))
-            if self._state.paused_until != before.paused_until:
-                self._tune(empty=True)
-            if (self._state.w_max, self._state.paused_until) != (before.w_max, before.paused_until):
-                self._save_soon()
 
     def pause(self, until: float, reason: str) -> None:
-        before = self._state.paused_until
         self._set(policy.step(self.cfg, self._state, policy.Pause(until, reason), self._clock()))
-        if self._state.paused_until != before:
-            self._tune(empty=True)
-            self._save_soon()
 
     def _learn(self, policies: tuple[Policy, ...], now: float) -> None:
         paces = [p.limit / p.window_s for p in policies if p.window_s <= PACE_WINDOW_S]
@@ -215,19 +207,14 @@ class LocalBudget:
                               policy.Announce(min(paces) if paces else None), now))
         for p in policies:
             if p.window_s > PACE_WINDOW_S or not paces:
-                self._announced[p.name] = p
-                self._announced_at = now
+                self._announced[p.name] = (p, now)
                 # Spent: everyone waits for the reset. Pacing by a short policy keeps its
                 # remaining near 0 all the time, so only longer ones (or a lone one) hold.
                 if p.remaining is not None and p.remaining < 1 and p.reset_s:
                     self.pause(now + p.reset_s, f"quota {p.name} exhausted")
 
     def _bound_check(self) -> None:
-        # Only the configured maximum, reached, is worth a line: a gradient limit below it
-        # is the partner's latency speaking.
-        latency, limit = self._concurrency.long, self._concurrency
-        bound = (latency is not None and limit.value >= limit.maximum
-                 and self._state.rate * latency > limit.maximum)
+        bound = self._concurrency.bounds(self._state.rate)
         if bound and not self._bound_logged:
             log.warning("limits.concurrency = %d bounds the pace: %.1f/s at %.0f ms needs %d "
                         "in flight", self._concurrency.maximum, self._state.rate,
@@ -236,12 +223,16 @@ class LocalBudget:
                         extra={"action": "concurrency_bound"})
         self._bound_logged = bound
 
-    def _set(self, state: BudgetState) -> None:
+    def _set(self, state: BudgetState, save: bool = True) -> None:
+        """Take the policy's new state, and do what its change implies."""
         old, self._state = self._state, state
         if old.paused_until != state.paused_until and self._changed is not None:
-            self._changed.set()
+            self._changed.set()  # waiters in ready() re-read the hold
         if (old.rate, old.strict) != (state.rate, state.strict):
             self._tune()
+        # What a restart must not forget: a pause in force, a limit learnt.
+        if save and (old.paused_until, old.w_max) != (state.paused_until, state.w_max):
+            self._save_soon()
 
     def _tune(self, empty: bool = False) -> None:
         if self._bucket is not None:
@@ -251,16 +242,15 @@ class LocalBudget:
         now = self._clock()
         views = [QuotaView(q.name, q.limit, q.window_s, q.remaining(now), q.resets_at(now))
                  for q in self._quotas]
-        age = now - self._announced_at
-        for p in self._announced.values():
-            if p.remaining is None or p.reset_s is None or age > p.reset_s:
+        for p, at in self._announced.values():
+            if p.remaining is None or p.reset_s is None or now > at + p.reset_s:
                 continue
-            views.append(QuotaView(p.name, p.limit, p.window_s, p.remaining,
-                                   self._announced_at + p.reset_s))
+            views.append(QuotaView(p.name, p.limit, p.window_s, p.remaining, at + p.reset_s))
         return Snapshot(state=self._state, ceiling=self.cfg.ceiling,
                         concurrency_limit=self._concurrency.value,
                         concurrency_max=self._concurrency.maximum, in_flight=self._in_flight,
-                        latency_s=self._concurrency.long, quotas=tuple(views))
+                        concurrency_bound=self._concurrency.bounds(self._state.rate),
+                        quotas=tuple(views))
 
 
 def _fmt(value: float | None) -> str:

@@ -30,8 +30,6 @@ The policy, and why:
   (never under the old plateau, which held) and the next probe takes twice as long (up to
   ``max_probe_s``), so a stable limit is probed ever more rarely while a moved one is still
   found. Throttled on that plateau, it steps down another 3 %, not by a deep cut.
-* **Memory trusts a plateau that held** (``VERIFIED_AFTER`` recovery periods without a
-  429); one that never did is remembered a step under.
 * **One cut per episode**: a 429 for a request granted before the last cut was sent at
   the old rate and is already accounted for.
 * **Retry-After pauses everyone** until then (the caller applies it to every worker); a
@@ -39,8 +37,10 @@ The policy, and why:
   pause of ``long_pause_s`` or more (0 = never) is the partner's own pause (maintenance,
   a window), not a rate signal: the rate is kept.
 * **Memory**: :func:`remembered` starts a new run from what an earlier one learnt, capped
-  by the ceiling and drifting back towards it with ``half_life_s``; a pause in force is
-  kept, so a restart during a 900 s pause sends nothing before it ends.
+  by the ceiling and drifting back towards it with ``half_life_s``. It trusts a plateau
+  that held (``VERIFIED_AFTER`` recovery periods without a 429) and starts a step under one
+  that never did. A pause in force is kept, so a restart during a 900 s pause sends
+  nothing before it ends.
 """
 
 from __future__ import annotations
@@ -113,7 +113,6 @@ class BudgetState:
     announced: float | None = None  # per-second limit from the partner's headers
     paused_until: float = 0.0
     pause_reason: str = ""
-    throttles: int = 0
     learnt_at: float = 0.0  # when w_max was last confirmed or lowered
     blind: int = 0  # 429s in a row without a Retry-After: our own backoff doubles
     last_cut: str = ""  # edge | lower | probe: what the last 429 was taken for
@@ -242,7 +241,6 @@ def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
 
 
 def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> BudgetState:
-    s = replace(s, throttles=s.throttles + 1)
     imposed = (cfg.long_pause_s > 0 and ev.retry_after_s is not None
                and ev.retry_after_s >= cfg.long_pause_s)
     # Refused again with no time given and nothing accepted since our own backoff: the
@@ -268,10 +266,8 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
         if rate >= AT_TOP * high and not s.strict:
             # An edge: the partner's limit is about the ceiling and two of our requests
             # came too close together for it. Trim, pace strictly, hardly ever re-probe.
-            w_max = rate * (1.0 - cfg.edge_trim)
-            return replace(s, strict=True, w_max=w_max, cut_to=w_max, cut_at=now,
-                           rate=max(cfg.floor, w_max), learnt_at=now, probe_s=cfg.max_probe_s,
-                           last_cut="edge")
+            edge = _settle(cfg, replace(s, strict=True), rate * (1.0 - cfg.edge_trim), now)
+            return replace(edge, probe_s=cfg.max_probe_s, last_cut="edge")
         return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
     # Refused again within a second of resuming, at the rate just cut to (or right after
     # an edge trim): the partner's burst drained at once, so the limit is far below.

@@ -1,6 +1,7 @@
 """The RateBudget contract: what the consumer, the reconciler and the monitor rely on,
 run against every implementation (the in-process one today; a budget shared through
-PostgreSQL later joins the ``budgets`` fixture and must pass the same class)."""
+PostgreSQL later joins the ``make`` fixture and must pass the same class). Memory goes
+through the real ledger (a SQLite file), as it does in the service."""
 
 from __future__ import annotations
 
@@ -12,23 +13,14 @@ from typing import Any
 
 import pytest
 
+from supervisor.budget import policy
 from supervisor.budget.base import Feedback, Outcome, RateBudget
-from supervisor.budget.local import LocalBudget
+from supervisor.budget.local import LocalBudget, MemoryStore
 from supervisor.budget.policy import BudgetState
-from supervisor.config import LimitsConfig
+from supervisor.config import LimitsConfig, QuotaConfig
+from supervisor.ledger.sqlite import SqliteLedger
 
 Factory = Callable[..., RateBudget]
-
-
-class MemoryStore:
-    def __init__(self) -> None:
-        self.data: dict[str, dict[str, Any]] = {}
-
-    async def load_budget(self, key: str) -> dict[str, Any] | None:
-        return self.data.get(key)
-
-    async def save_budget(self, key: str, data: dict[str, Any]) -> None:
-        self.data[key] = json.loads(json.dumps(data))  # what a database row would hold
 
 
 def _local(store: MemoryStore, **limits: Any) -> RateBudget:
@@ -42,8 +34,9 @@ def make(request: pytest.FixtureRequest) -> Factory:
 
 
 class TestRateBudgetContract:
-    async def test_grants_are_paced_at_no_more_than_the_rate(self, make: Factory) -> None:
-        budget = make(MemoryStore())
+    async def test_grants_are_paced_at_no_more_than_the_rate(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger)
         await budget.start()
         started = time.monotonic()
         for _ in range(21):
@@ -51,8 +44,9 @@ class TestRateBudgetContract:
         # 20 intervals at 40/s (less 1 % headroom) cannot take less than half a second.
         assert time.monotonic() - started >= 20 / 40.0 * 0.95
 
-    async def test_a_pause_holds_ready_and_acquire_until_it_ends(self, make: Factory) -> None:
-        budget = make(MemoryStore())
+    async def test_a_pause_holds_ready_and_acquire_until_it_ends(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger)
         await budget.start()
         until = time.time() + 0.3
         budget.pause(until, "test")
@@ -61,9 +55,9 @@ class TestRateBudgetContract:
         assert grant.at >= until
         await asyncio.wait_for(budget.ready(), 0.1)  # over: returns at once
 
-    async def test_a_throttle_lowers_the_rate_and_a_retry_after_pauses(self,
-                                                                     make: Factory) -> None:
-        budget = make(MemoryStore())
+    async def test_a_throttle_lowers_the_rate_and_a_retry_after_pauses(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger)
         await budget.start()
         before = budget.snapshot().rate
         budget.release(await budget.acquire(), Feedback(Outcome.THROTTLED, 0.001, 1.0))
@@ -71,8 +65,9 @@ class TestRateBudgetContract:
         assert snap.rate < before
         assert snap.paused_until == pytest.approx(time.time() + 1.0, abs=0.1)
 
-    async def test_cancelling_acquire_takes_nothing(self, make: Factory) -> None:
-        budget = make(MemoryStore(), concurrency=1)
+    async def test_cancelling_acquire_takes_nothing(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger, concurrency=1)
         await budget.start()
         grant = await budget.acquire()
         waiter = asyncio.ensure_future(budget.acquire())
@@ -81,20 +76,33 @@ class TestRateBudgetContract:
         budget.release(grant, Feedback(Outcome.OK, 0.001))
         assert budget.snapshot().in_flight == 0
 
-    async def test_what_was_learnt_survives_a_new_life(self, make: Factory) -> None:
-        store = MemoryStore()
-        first = make(store)
+    async def test_what_was_learnt_survives_a_new_life(self, make: Factory,
+                                                       ledger: SqliteLedger) -> None:
+        quota = (QuotaConfig(limit=10, period_seconds=600.0, name="ten"),)
+        first = make(ledger, quota=quota)
         await first.start()
+        for _ in range(3):
+            first.release(await first.acquire(), Feedback(Outcome.OK, 0.001))
+        # A 429 that teaches a lower rate, then a pause in force.
         first.release(await first.acquire(), Feedback(Outcome.THROTTLED, 0.001, None))
         first.pause(time.time() + 600, "retry-after")
         await first.save()
-        second = make(store)
-        await second.start()
-        assert second.snapshot().paused_until == pytest.approx(time.time() + 600, abs=2)
-        assert second.snapshot().state.w_max is not None
+        learnt = first.snapshot().state.w_max
+        assert learnt is not None
 
-    async def test_the_state_is_small_and_serialisable(self, make: Factory) -> None:
-        budget = make(MemoryStore())
+        second = make(ledger, quota=quota)
+        await second.start()
+        snap = second.snapshot()
+        assert snap.paused_until == pytest.approx(time.time() + 600, abs=2)
+        # Never held long enough to be trusted: remembered a step under.
+        assert snap.state.w_max == pytest.approx(learnt * policy.PROBE_BACK)
+        assert [(q.name, q.remaining) for q in snap.quotas] == [("ten", 6)]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(second.acquire(), 0.2)  # nothing is sent before it ends
+
+    async def test_the_state_is_small_and_serialisable(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger)
         await budget.start()
         state = budget.snapshot().state
         blob = json.dumps(state.to_dict())

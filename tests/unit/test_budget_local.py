@@ -1,5 +1,6 @@
 """The in-process budget: aiolimiter's bucket retuned in place, the global pause, quotas,
-the concurrency gate and memory. Real event loop, short real waits, generous bounds."""
+the concurrency gate (memory: tests/contract/test_rate_budget.py, on a real ledger).
+Real event loop, short real waits, generous bounds."""
 
 from __future__ import annotations
 
@@ -11,28 +12,16 @@ from typing import Any
 import pytest
 from aiolimiter import AsyncLimiter
 
-from supervisor.budget import policy
 from supervisor.budget.base import Feedback, Outcome, Policy
 from supervisor.budget.concurrency import GradientLimit
 from supervisor.budget.local import LocalBudget, tune_bucket
 from supervisor.config import LimitsConfig, QuotaConfig
 
 
-def budget(store: Any = None, **overrides: Any) -> LocalBudget:
+def budget(**overrides: Any) -> LocalBudget:
     values: dict[str, Any] = {"rate_per_second": 50.0, "concurrency": 4}
     values.update(overrides)
-    return LocalBudget(LimitsConfig(**values), key="http://partner", store=store)
-
-
-class DictStore:
-    def __init__(self) -> None:
-        self.data: dict[str, dict[str, Any]] = {}
-
-    async def load_budget(self, key: str) -> dict[str, Any] | None:
-        return self.data.get(key)
-
-    async def save_budget(self, key: str, data: dict[str, Any]) -> None:
-        self.data[key] = data
+    return LocalBudget(LimitsConfig(**values), key="http://partner")
 
 
 def test_aiolimiter_still_has_the_internals_tune_bucket_relies_on() -> None:
@@ -135,27 +124,6 @@ async def test_concurrency_slots_are_given_back_on_cancellation() -> None:
     b.release(grant, Feedback(Outcome.OK, 0.001))
     assert b.snapshot().in_flight == 0
     await asyncio.wait_for(b.acquire(), 1.0)
-
-
-async def test_memory_restores_a_pause_and_the_learnt_limit_across_lives() -> None:
-    store = DictStore()
-    first = budget(store)
-    await first.start()
-    for _ in range(3):
-        first.release(await first.acquire(), Feedback(Outcome.OK, 0.001))
-    # A 429 that teaches a lower rate, then a long Retry-After (an imposed pause: no cut).
-    first.release(await first.acquire(), Feedback(Outcome.THROTTLED, 0.001, retry_after_s=None))
-    first.pause(time.time() + 900.0, "retry-after")
-    await first.save()
-    second = budget(store)
-    await second.start()
-    snap = second.snapshot()
-    assert snap.paused_until == pytest.approx(time.time() + 900, abs=2)
-    learnt = first.snapshot().state.w_max
-    assert learnt is not None
-    assert snap.state.w_max == pytest.approx(learnt * policy.PROBE_BACK)
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(second.acquire(), 0.2)  # nothing is sent before it ends
 
 
 def test_gradient_limit_grows_while_latency_holds_and_shrinks_when_it_climbs() -> None:

@@ -26,10 +26,17 @@ def test_ietf_older_draft_with_remaining_and_reset() -> None:
     assert got == (Policy("default", 100, 60.0, 7, 12.0),)
 
 
-def test_x_ratelimit_with_a_delay_is_a_pace_when_the_reset_is_near() -> None:
+def test_x_ratelimit_resetting_within_a_second_is_a_per_second_pace() -> None:
     got = parse_policies({"X-RateLimit-Limit": "50", "X-RateLimit-Remaining": "3",
                           "X-RateLimit-Reset": "1"}, NOW)
     assert got == (Policy("x-ratelimit", 50, 1.0, 3, 1.0),)
+
+
+def test_x_ratelimit_resetting_later_is_a_quota_not_a_pace() -> None:
+    # 30 s to the reset may be the middle of a minute: 50 / 30 would be no pace at all.
+    (p,) = parse_policies({"X-RateLimit-Limit": "50", "X-RateLimit-Remaining": "3",
+                           "X-RateLimit-Reset": "30"}, NOW)
+    assert (p.window_s, p.remaining, p.reset_s) == (86400.0, 3, 30.0)
 
 
 def test_x_ratelimit_with_a_unix_time_is_a_quota_until_then() -> None:

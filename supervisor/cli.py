@@ -72,7 +72,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     logs.configure(args.log_level or "warning")
     opts = DemoOptions(config_path=Path(args.config), recipients=args.recipients,
                        partner_rate=args.rate, absent_share=args.absent_share,
-                       fault_5xx=args.fault_5xx, fault_timeout_after_act=args.fault_timeout)
+                       fault_5xx=args.fault_5xx, fault_timeout_after_act=args.fault_timeout,
+                       queue=args.queue)
     return run_async(run_demo(opts))
 
 
@@ -138,6 +139,30 @@ def cmd_resolve(args: argparse.Namespace) -> int:
     return 0 if status < 300 else EXIT_RUNTIME
 
 
+def cmd_dlq_redrive(args: argparse.Namespace) -> int:
+    """Move Infrai's dead-lettered messages back to the queue. Safe at any time: a message
+    whose operation is settled is acked on sight, a superseded one is dropped."""
+    from supervisor.queue.infrai import InfraiQueue
+
+    cfg = config.load(_config_path(args.config))
+    if cfg.queue.backend != "infrai":
+        print("dlq-redrive: queue.backend is not 'infrai'; the embedded queue has no "
+              "dead-letter queue (redrive republishes from the ledger)", file=sys.stderr)
+        return 2
+
+    async def redrive() -> Any:
+        queue = InfraiQueue(cfg.infrai)
+        await queue.start()
+        try:
+            return await queue.redrive_dead_letters()
+        finally:
+            await queue.close()
+
+    result = run_async(redrive())
+    print(orjson.dumps({"queue": cfg.infrai.queue, "result": result}).decode())
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cleanup-supervisor", description=__doc__)
     p.add_argument("--version", action="version", version=__version__)
@@ -160,7 +185,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--fault-5xx", type=float, default=0.0)
     s.add_argument("--fault-timeout", type=float, default=0.0,
                    help="share of deletes where the partner acts, then times out")
+    s.add_argument("--queue", choices=["sqlite", "infrai"], default="sqlite",
+                   help="infrai: through the local Infrai emulator, pulled")
     s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("dlq-redrive",
+                       help="move Infrai's dead-lettered messages back to the queue")
+    s.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    s.set_defaults(func=cmd_dlq_redrive)
 
     url_default = os.environ.get("CLEANUP_URL", "http://127.0.0.1:8080")
     s = sub.add_parser("trigger", help="open a run (token from $CLEANUP_TRIGGER_TOKEN)")

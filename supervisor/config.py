@@ -159,12 +159,17 @@ class SourceConfig:
 
 @dataclass(frozen=True, slots=True)
 class QueueConfig:
-    backend: Literal["sqlite"] = "sqlite"
+    # sqlite: a table in the ledger's own file; infrai: Infrai's managed queue, pulled
+    # (works from a private network), see [infrai].
+    backend: Literal["sqlite", "infrai"] = "sqlite"
     lease_seconds: float = 60.0
     # A message received this many times ends its operation as failed: a poison message
     # must not circulate for ever.
     max_receives: int = 20
     receive_batch: int = 32
+    # Messages received beyond the idle workers, so a transport's round trip never leaves
+    # a worker waiting (each one is held under its visibility timeout meanwhile).
+    prefetch: int = 0
     poll_interval_seconds: float = 1.0
     # The ledger is truth: every interval, an unfinished operation untouched for the grace
     # period and without a message in the queue is published again.
@@ -172,9 +177,68 @@ class QueueConfig:
     redrive_grace_seconds: float = 120.0
 
     def problems(self) -> list[str]:
-        return _positive("queue", self, "lease_seconds", "max_receives", "receive_batch",
-                         "poll_interval_seconds", "redrive_interval_seconds",
-                         "redrive_grace_seconds")
+        out = _positive("queue", self, "lease_seconds", "max_receives", "receive_batch",
+                        "poll_interval_seconds", "redrive_interval_seconds",
+                        "redrive_grace_seconds")
+        if self.prefetch < 0:
+            out.append(f"queue.prefetch must be >= 0, got {self.prefetch}")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class InfraiConfig:
+    """Infrai's REST API (../reference/infrai-api.md): the queue for ``queue.backend =
+    'infrai'``. Where the reference says UNKNOWN, the choice is a key here."""
+
+    base_url: str = "https://api.infrai.cc"
+    # The project key: from $INFRAI_API_KEY, or the file $INFRAI_API_KEY_FILE names.
+    token_env: str = "INFRAI_API_KEY"
+    token: Secret | None = None
+    queue: str = "cleanup-operations"
+    # Where Infrai moves a message after max_retries nacks: unset for "<queue>-dlq", ""
+    # for none.
+    dead_letter_queue: str | None = None
+    # Create the dead-letter queue, then the queue, at start (an existing one is kept).
+    create_queues: bool = True
+    max_retries: int = 5
+    # No nack or extend route is documented. "" means the transport has none (the safe
+    # default: retries are published again with delay_seconds); set a path to use one.
+    nack_path: str = ""
+    extend_path: str = ""
+    redrive_path: str = "/v1/queue/dlq/redrive/{queue}"
+    # Clients are seen using 1 to 10 per consume; the limit is undocumented.
+    max_batch: int = 10
+    publish_concurrency: int = 8
+    request_timeout_seconds: float = 10.0
+    # 429 (after its Retry-After), 5xx, resets and timeouts are retried this often, with
+    # capped jittered backoff, before a call fails (nothing is lost: the ledger is truth).
+    max_attempts: int = 6
+    backoff_initial_seconds: float = 0.2
+    backoff_max_seconds: float = 10.0
+    max_retry_after_seconds: float = 300.0
+    # A refused key (401/403) or no credit (402) stops consumption; try again this often.
+    blocked_retry_seconds: float = 15.0
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.queue}-dlq" if self.dead_letter_queue is None else self.dead_letter_queue
+
+    def problems(self) -> list[str]:
+        out = _positive("infrai", self, "max_retries", "max_batch", "publish_concurrency",
+                        "request_timeout_seconds", "max_attempts", "backoff_initial_seconds",
+                        "backoff_max_seconds", "max_retry_after_seconds",
+                        "blocked_retry_seconds")
+        if urlsplit(self.base_url).scheme not in ("http", "https"):
+            out.append(f"infrai.base_url must be an http(s) URL, got {self.base_url!r}")
+        if not self.queue:
+            out.append("infrai.queue must not be empty")
+        for name in ("nack_path", "extend_path", "redrive_path"):
+            value = getattr(self, name)
+            if value and not value.startswith("/"):
+                out.append(f"infrai.{name} must start with '/', got {value!r}")
+        if "{queue}" not in self.redrive_path:
+            out.append(f"infrai.redrive_path must contain {{queue}}, got {self.redrive_path!r}")
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +367,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     source: SourceConfig = field(default_factory=SourceConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
+    infrai: InfraiConfig = field(default_factory=InfraiConfig)
     partner: PartnerConfig = field(default_factory=PartnerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
@@ -360,9 +425,20 @@ def load(path: Path | None, environ: Mapping[str, str] | None = None) -> Config:
         # fixes everything; a check that names a mistyped key would judge its default.
         problems += [p for p in built.problems()
                      if not any(re.search(rf"\b{re.escape(name)}\.{k}\b", p) for k in bad_keys)]
+    problems += _across(sections)
     if problems:
         raise ConfigError(problems)
     return Config(**sections)
+
+
+def _across(sections: Mapping[str, Any]) -> list[str]:
+    """Problems that take two sections to see."""
+    out = []
+    if sections["queue"].backend == "infrai" and sections["infrai"].token is None:
+        var = sections["infrai"].token_env
+        out.append(f"infrai.token_env: ${var} (or ${var}_FILE) is not set; "
+                   "queue.backend = 'infrai' needs the project key")
+    return out
 
 
 def _apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> list[str]:

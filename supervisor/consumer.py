@@ -13,13 +13,21 @@ from collections.abc import Callable
 from supervisor import metrics
 from supervisor.budget.base import Feedback, Outcome, RateBudget
 from supervisor.config import Config
-from supervisor.errors import OperationBusy, StorageError
-from supervisor.ledger.base import Disposition, Ledger, Operation, Settlement
+from supervisor.errors import OperationBusy, QueueBlocked, QueueError, StorageError
+from supervisor.ledger.base import Disposition, Ledger, Operation, Received, Settlement
 from supervisor.partner import Answer, PartnerClient, Verdict
 from supervisor.queue.base import Delivery, Queue
+from supervisor.queue.courier import Courier
 from supervisor.states import SETTLED, OpState
 
 log = logging.getLogger(__name__)
+
+# A message due this much later than its delivery is deferred rather than worked early
+# (a repost's predecessor delivered again after a crash).
+EARLY_S = 1.0
+# Empty receives from a billed transport back off to this; a publish of ours wakes at once.
+IDLE_POLL_MAX_S = 30.0
+BLOCKED_RETRY_S = (5.0, 60.0)
 
 
 _NOT_SENT = Answer(Verdict.TRANSIENT, None, "not sent: shutdown before the request left")
@@ -54,14 +62,17 @@ class ConsumerPool:
         self.config = config
         self.ledger = ledger
         self.queue = queue
+        self.courier = Courier(ledger, queue)
+        self.caps = queue.capabilities
         self.budget = budget
         self.partner = partner
         self._on_settled = on_settled
         self._stopping = asyncio.Event()
         self._phases: dict[asyncio.Task[None], Phase] = {}
         self.settled = 0
-        # Messages received for idle workers, and every message held, for lease extension.
-        self._inbox: asyncio.Queue[tuple[Delivery, Operation | None]] = asyncio.Queue()
+        # Messages received for idle workers (and prefetched), and every message held: for
+        # lease extension, and so that a second delivery of one is recognised.
+        self._inbox: asyncio.Queue[tuple[Delivery, Received | None]] = asyncio.Queue()
         self._idle = 0
         self._wanted = asyncio.Event()
         self._held: dict[str, tuple[Delivery, float]] = {}
@@ -72,14 +83,26 @@ class ConsumerPool:
                         + config.partner.request_timeout_seconds + 5.0)
 
     async def run(self) -> None:
-        self._stopping = asyncio.Event()
+        self._stopping.clear()
+        # A restart after a crash starts from nothing: no dead worker counts as running.
+        self._phases.clear()
+        self._idle = 0
         metrics.WORKERS.set(self.config.limits.concurrency)
-        async with asyncio.TaskGroup() as tg:
-            self._fetcher = tg.create_task(self._fetch(), name="consumer-fetch")
-            self._extender = tg.create_task(self._extend_leases(), name="consumer-leases")
-            for i in range(self.config.limits.concurrency):
-                task = tg.create_task(self._worker(), name=f"consumer-{i}")
-                self._phases[task] = Phase.IDLE
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._fetcher = tg.create_task(self._fetch(), name="consumer-fetch")
+                if self.caps.extend:
+                    self._extender = tg.create_task(self._extend_leases(),
+                                                    name="consumer-leases")
+                for i in range(self.config.limits.concurrency):
+                    task = tg.create_task(self._worker(), name=f"consumer-{i}")
+                    self._phases[task] = Phase.IDLE
+        finally:
+            self._phases.clear()
+            # Messages received that no worker took: back to the transport.
+            while not self._inbox.empty():
+                await asyncio.shield(self.courier.hand_back(self._inbox.get_nowait()[0]))
+            self._held.clear()
 
     @property
     def running(self) -> bool:
@@ -88,6 +111,7 @@ class ConsumerPool:
     async def stop(self, grace_s: float) -> dict[str, int]:
         """Drain the pool; return how many workers finished and how many were cut off."""
         self._stopping.set()
+        workers = len(self._phases)
         for helper in (self._fetcher, self._extender):
             if helper is not None:
                 helper.cancel("shutdown")
@@ -109,57 +133,81 @@ class ConsumerPool:
             await asyncio.wait([self._fetcher])
         # Received but never picked up by a worker: hand back at once.
         while not self._inbox.empty():
-            await asyncio.shield(self.queue.nack(self._inbox.get_nowait()[0], 0.0))
-        return {"workers": len(self._phases), "cut_off": cut}
+            await asyncio.shield(self.courier.hand_back(self._inbox.get_nowait()[0]))
+        return {"workers": workers, "cut_off": cut}
 
     async def _fetch(self) -> None:
-        """Receive as many messages as there are idle workers, in one claim; never more,
-        so no message waits under lease in our hands while another replica could work it."""
-        lease_s = self.config.queue.lease_seconds
-        poll_s = self.config.queue.poll_interval_seconds
-        batch = self.config.queue.receive_batch
+        """Receive as many messages as there are idle workers (plus ``queue.prefetch``, so
+        a transport's round trip does not cost pace), in one call; never more, so no
+        message waits under lease in our hands while another consumer could work it."""
+        q = self.config.queue
+        poll_s = q.poll_interval_seconds
+        blocked = 0
         while True:
-            wanted = self._idle - self._inbox.qsize()
+            wanted = self._idle + q.prefetch - self._inbox.qsize()
             if wanted <= 0:
                 self._wanted.clear()
                 await self._wanted.wait()
                 continue
             try:
-                deliveries = await self._receive(min(wanted, batch), lease_s)
-            except StorageError as exc:
-                # The ledger reports a failed commit once; each failed claim only at DEBUG.
+                deliveries = await self._receive(min(wanted, q.receive_batch), q.lease_seconds)
+            except QueueBlocked:
+                # The transport said once why ("queue refuses us"); retry slowly.
+                blocked += 1
+                await self._pause(min(BLOCKED_RETRY_S[1], BLOCKED_RETRY_S[0] * blocked))
+                continue
+            except (StorageError, QueueError) as exc:
+                # The ledger (or transport) reports a fault once; each failed claim only at DEBUG.
                 log.debug("could not claim messages: %s", exc)
                 await self._backoff_storage()
                 continue
+            blocked = 0
             if not deliveries:
                 await self.queue.wait(poll_s)
+                if not self.caps.stats:  # a billed transport: empty polls back off
+                    poll_s = min(IDLE_POLL_MAX_S, poll_s * 2)
                 continue
-            now = time.monotonic()
-            for d in deliveries:
-                self._held[d.message.operation_id] = (d, now)
-            # One read for the whole claim, not one per message. Whatever happens to the
-            # read (a fault, shutdown), the messages reach the inbox: workers read their
-            # own operation, and stop() hands back what no worker took.
-            ops: dict[str, Operation] = {}
-            try:
-                ops = await self.ledger.get_operations([d.message.operation_id
-                                                        for d in deliveries])
-            except StorageError:
-                pass
-            finally:
-                for d in deliveries:
-                    self._inbox.put_nowait((d, ops.get(d.message.operation_id)))
+            poll_s = q.poll_interval_seconds
+            await self._admit(deliveries)
+
+    async def _admit(self, deliveries: list[Delivery]) -> None:
+        now = time.monotonic()
+        fresh = []
+        for d in deliveries:
+            if d.message.operation_id in self._held:
+                # Its visibility timeout ran out while a worker here holds it: that worker
+                # acks it when done. Leave this copy to its lease; never a second attempt.
+                metrics.QUEUE_DUPLICATES.inc()
+                continue
+            self._held[d.message.operation_id] = (d, now)
+            fresh.append(d)
+        # One write for the whole claim, not one per message. Whatever happens to it (a
+        # fault, shutdown), the messages reach the inbox: a worker reads its own
+        # operation, and stop() hands back what no worker took.
+        received: list[Received] | None = None
+        try:
+            received = await self.ledger.note_received(fresh, self.config.queue.lease_seconds)
+        except StorageError:
+            pass
+        finally:
+            for i, d in enumerate(fresh):
+                self._inbox.put_nowait((d, received[i] if received else None))
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
 
     async def _receive(self, n: int, lease_s: float) -> list[Delivery]:
         claim = asyncio.ensure_future(self.queue.receive(n, lease_s))
         try:
             return await asyncio.shield(claim)
         except asyncio.CancelledError:
-            # Shutdown while claiming: the claim commits all the same, so hand back what it
-            # took instead of leaving it leased until the lease runs out.
-            with contextlib.suppress(StorageError):
+            # Shutdown while claiming: the claim completes all the same, so hand back what
+            # it took instead of leaving it leased until the lease runs out.
+            with contextlib.suppress(StorageError, QueueError):
                 for delivery in await claim:
-                    await self.queue.nack(delivery, 0.0)
+                    await self.courier.hand_back(delivery)
             raise
 
     async def _extend_leases(self) -> None:
@@ -174,7 +222,7 @@ class ConsumerPool:
                     continue
                 try:
                     kept = await self.queue.extend(delivery, lease_s)
-                except StorageError:
+                except (StorageError, QueueError):
                     continue
                 if op_id in self._held:
                     self._held[op_id] = (delivery, time.monotonic())
@@ -189,19 +237,19 @@ class ConsumerPool:
             self._idle += 1
             self._wanted.set()
             try:
-                delivery, op = await self._inbox.get()
+                delivery, received = await self._inbox.get()
             finally:
                 self._idle -= 1
             metrics.WORKERS_BUSY.inc()
             try:
-                await self._handle(task, delivery, op)
+                await self._handle(task, delivery, received)
             except asyncio.CancelledError:
                 # Shutdown: hand the message back now, not when its lease runs out. If the
                 # request had left, its attempt stays open and the redelivery treats it as
                 # ambiguous. Queued after any settlement of ours, so an ack wins.
-                await asyncio.shield(self.queue.nack(delivery, 0.0))
+                await asyncio.shield(self.courier.hand_back(delivery))
                 raise
-            except StorageError as exc:
+            except (StorageError, QueueError) as exc:
                 # Nothing was acked: the lease expires and the message comes back. A
                 # failed commit was reported once by the ledger ("ledger cannot commit"),
                 # not once per write: only a fault the ledger has not reported is a warning.
@@ -220,16 +268,22 @@ class ConsumerPool:
                 await self._stopping.wait()
 
     async def _handle(self, task: asyncio.Task[None], delivery: Delivery,
-                      op: Operation | None) -> None:
+                      received: Received | None) -> None:
         msg = delivery.message
-        if op is None:
-            op = await self.ledger.get_operation(msg.operation_id)
+        if received is None:  # the bookkeeping write failed: read, and count nothing
+            received = Received(await self.ledger.get_operation(msg.operation_id), True, 0)
+        op = received.operation
         if op is None:
             log.warning("message for unknown operation %s dropped", msg.operation_id)
-            await self.queue.ack([delivery])
+            await self.courier.drop(delivery, "unknown_operation")
             return
         if op.state in SETTLED:
-            await self.queue.ack([delivery])  # a duplicate delivery of a settled operation
+            # Redelivered after its outcome committed (the ack was lost or never sent).
+            await self.courier.drop(delivery, "settled")
+            return
+        if not received.live:
+            # A superseded copy: the operation's live message is another one.
+            await self.courier.drop(delivery, "superseded")
             return
         if op.unfinished_attempt and not self.config.partner.idempotency_keys:
             # The last request may have acted and the partner cannot dedupe a resend:
@@ -237,12 +291,33 @@ class ConsumerPool:
             await self._settle(delivery, op, OpState.AMBIGUOUS,
                                f"attempt {op.attempts} has no recorded outcome; not resent")
             return
-        if delivery.receives > self.config.queue.max_receives:
+        if received.receives > self.config.queue.max_receives:
             target = OpState.AMBIGUOUS if op.unfinished_attempt else OpState.FAILED
             await self._settle(delivery, op, target,
-                               f"received {delivery.receives} times without an outcome")
+                               f"received {received.receives} times without an outcome")
+            return
+        early = (op.due_at or 0.0) - time.time()
+        if early > EARLY_S and not op.unfinished_attempt:
+            # Its retry is not due: a repost's predecessor, delivered again because its
+            # ack was lost. Wait as the retry asked.
+            await self.courier.defer(delivery, early)
             return
         await self._attempt(task, delivery, op)
+
+    def _outlives_lease(self, delivery: Delivery) -> float:
+        """Without extend: how long the budget will hold this worker, when that is longer
+        than what is left of the message's visibility timeout (else 0)."""
+        if self.caps.extend:
+            return 0.0
+        hold = self.budget.snapshot().held_for(time.time())
+        if hold <= 0:
+            return 0.0
+        held = self._held.get(delivery.message.operation_id)
+        lease_s = self.config.queue.lease_seconds
+        left = lease_s - (time.monotonic() - held[1]) if held else 0.0
+        # Margin: the wait for a token and the request itself come after the hold.
+        margin = min(lease_s / 3, self._busy_s)
+        return hold if hold > left - margin else 0.0
 
     async def _attempt(self, task: asyncio.Task[None], delivery: Delivery, op: Operation) -> None:
         partner = self.config.partner
@@ -250,7 +325,12 @@ class ConsumerPool:
         while True:
             if self._stopping.is_set():
                 # Throttled and told to stop: nothing is in the air, hand the message back.
-                await asyncio.shield(self.queue.nack(delivery, 0.0))
+                await asyncio.shield(self.courier.hand_back(delivery))
+                return
+            if (hold := self._outlives_lease(delivery)) > 0:
+                # The message would become visible again while we wait: publish it again
+                # for when the hold ends, and let this worker go.
+                await asyncio.shield(self.courier.defer(delivery, hold))
                 return
             self._phases[task] = Phase.WAITING
             # A pause or a spent quota is waited out before the attempt is written, so a
@@ -261,12 +341,15 @@ class ConsumerPool:
             self._phases[task] = Phase.SENDING
             try:
                 attempt_id = await self.ledger.begin_attempt(
-                    op.id, "delete", owner=delivery.lease_token, busy_s=self._busy_s,
+                    op.id, "delete", owner=delivery.receipt, busy_s=self._busy_s,
                     supersedes_open=op.unfinished_attempt)
             except OperationBusy as exc:
                 # A second delivery of an operation another worker has in the air (its
-                # lease expired while it waited): come back when that attempt is over.
-                await self.queue.nack(delivery, max(0.0, exc.until - time.time()))
+                # lease expired while it waited): come back when that attempt is over,
+                # or, without nack, when this copy's lease ends (the holder acks it).
+                metrics.QUEUE_DUPLICATES.inc()
+                if self.caps.nack:
+                    await self.courier.retry_later(delivery, max(0.0, exc.until - time.time()))
                 return
             attempts += 1
             self._phases[task] = Phase.WAITING
@@ -346,21 +429,24 @@ class ConsumerPool:
             status=answer.status if answer else None,
             outcome=answer.verdict.value if answer else None,
             detail=answer.detail if answer else None, refund_attempt=refund)
-        # The commit must not be torn by a shutdown cancelling this worker: the ledger
-        # write is queued already, and we wait for it before unwinding.
-        leftover = await asyncio.shield(self.ledger.settle([settlement]))
-        for s in leftover:  # a transport outside the ledger's database: ack after commit
-            if s.delivery is None:
-                continue
-            if s.disposition is Disposition.ACK:
-                await self.queue.ack([s.delivery])
-            else:
-                await self.queue.nack(s.delivery, s.delay_s)
+        # Neither the commit nor the ack after it may be torn by a shutdown cancelling
+        # this worker: both run in a task of their own, awaited to the end either way.
+        commit = asyncio.ensure_future(self._commit(settlement))
+        try:
+            await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            await asyncio.wait([commit])
+            raise
         if log.isEnabledFor(logging.DEBUG):
             log.debug("operation %s -> %s (%s)", op.id, target.value,
                       answer.detail if answer else reason,
                       extra={"operation_id": op.id, "run_id": op.run_id, "action": "settle"})
         if target in SETTLED:
-            metrics.OPERATIONS.labels(target.value).inc()
+            metrics.count_settled(target.value)
             self.settled += 1
             self._on_settled()
+
+    async def _commit(self, settlement: Settlement) -> None:
+        """The outcome, then what the transport still needs (ack after commit)."""
+        leftover = await self.ledger.settle([settlement])
+        await self.courier.follow_up(leftover)

@@ -51,6 +51,27 @@ async def sandbox_process(args: Sequence[str], token: str) -> AsyncIterator[Sand
             await proc.wait()
 
 
+@contextlib.asynccontextmanager
+async def emulator_process(args: Sequence[str], key: str,
+                           control_key: str) -> AsyncIterator[SandboxProcess]:
+    """Start ``python -m supervisor.sandbox.infrai`` (the Infrai emulator) on a free port."""
+    env = {**os.environ, "EMULATOR_KEY": key, "EMULATOR_CONTROL_KEY": control_key}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "supervisor.sandbox.infrai", "--port", "0", "--key-env",
+        "EMULATOR_KEY", "--control-key-env", "EMULATOR_CONTROL_KEY", *args,
+        stdout=asyncio.subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the Infrai emulator exited before it listened")
+        yield SandboxProcess(orjson.loads(line)["url"], proc)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+
 @dataclass(frozen=True, slots=True)
 class DemoOptions:
     config_path: Path
@@ -59,6 +80,7 @@ class DemoOptions:
     absent_share: float = 0.05
     fault_5xx: float = 0.0
     fault_timeout_after_act: float = 0.0
+    queue: str = "sqlite"
 
 
 async def run_demo(opts: DemoOptions) -> int:
@@ -69,8 +91,21 @@ async def run_demo(opts: DemoOptions) -> int:
                     str(opts.fault_5xx), "--fault-timeout-after-act",
                     str(opts.fault_timeout_after_act), "--hang-seconds", "3"]
     with tempfile.TemporaryDirectory(prefix="cleanup-demo-") as data_dir:
-        async with sandbox_process(sandbox_args, partner_token) as sandbox:
+        async with contextlib.AsyncExitStack() as stack:
+            sandbox = await stack.enter_async_context(
+                sandbox_process(sandbox_args, partner_token))
+            queue_env: dict[str, str] = {}
+            emulator: SandboxProcess | None = None
+            control_key = secrets.token_urlsafe(24)
+            if opts.queue == "infrai":
+                infrai_key = "ifr_" + secrets.token_urlsafe(24)
+                emulator = await stack.enter_async_context(
+                    emulator_process([], infrai_key, control_key))
+                queue_env = {"CLEANUP__QUEUE__BACKEND": "infrai",
+                             "CLEANUP__INFRAI__BASE_URL": emulator.url,
+                             "INFRAI_API_KEY": infrai_key}
             environ = {
+                **queue_env,
                 **os.environ,
                 "CUSTOMER_API_TOKEN": partner_token,
                 "CLEANUP_TRIGGER_TOKEN": trigger_token,
@@ -92,9 +127,12 @@ async def run_demo(opts: DemoOptions) -> int:
             assert service.url is not None
             print(f"partner simulator {sandbox.url}: {opts.recipients} stale recipients, "
                   f"limit {opts.partner_rate:g}/s; service {service.url}, "
-                  f"{cfg.limits.concurrency} workers", flush=True)
+                  f"{cfg.limits.concurrency} workers; queue {cfg.queue.backend}"
+                  + (f" (Infrai emulator {emulator.url})" if emulator else ""), flush=True)
             try:
                 report = await _drive(service.url, sandbox.url, trigger_token, partner_token)
+                if emulator is not None:
+                    report["infrai_calls"] = await _infrai_calls(emulator.url, control_key)
             finally:
                 service.request_stop()
                 code = await task
@@ -105,10 +143,24 @@ async def run_demo(opts: DemoOptions) -> int:
           and counts["unfinished"] == 0 and counts["discovered"] == opts.recipients)
     print(f"\nrun {report.pop('run_id')}: ratio to ideal {report['seconds'] / ideal:.3f}, "
           f"partner saw {report.pop('executions')} executed deletes")
-    keys = ("discovered", "deleted", "already_absent", "failed", "ambiguous", "duplicates",
-            "rate_limited", "seconds", "ideal_seconds")
+    keys: tuple[str, ...] = ("discovered", "deleted", "already_absent", "failed", "ambiguous",
+                             "duplicates", "rate_limited", "seconds", "ideal_seconds")
+    if "infrai_calls" in report:
+        calls = report["infrai_calls"]
+        keys += ("infrai_calls",)
+        report["infrai_calls_per_op"] = round(calls / max(1, report["discovered"]), 2)
+        keys += ("infrai_calls_per_op",)
     print(" ".join(f"{k}={report[k]}" for k in keys), flush=True)
     return 0 if ok else 1
+
+
+async def _infrai_calls(emulator_url: str, control_key: str) -> int:
+    """Every call the service made to Infrai (each one is billed), from the emulator."""
+    async with aiohttp.ClientSession() as session, session.get(
+            f"{emulator_url}/_emulator/stats",
+            headers={"X-Emulator-Control": control_key}) as resp:
+        stats = orjson.loads(await resp.read())
+    return int(sum(stats["calls"].values()))
 
 
 async def _drive(service_url: str, sandbox_url: str, trigger_token: str,

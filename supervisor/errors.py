@@ -59,3 +59,21 @@ class OperationBusy(CleanupError):
         self.operation_id = operation_id
         self.until = until
         super().__init__(f"operation {operation_id} is in flight elsewhere until {until:.0f}")
+
+
+class QueueError(CleanupError):
+    """The queue transport failed a call after its own retries (unreachable, 5xx, an
+    answer that is not the documented contract). Nothing is lost: the ledger is truth."""
+
+
+class QueueBlocked(QueueError):
+    """The transport refuses us until an operator acts (a wrong key, no credit).
+    Consumption stops, /readyz is 503, and every call resumes once it clears."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+class MessageTooLarge(QueueError):
+    """A message over the transport's size limit, refused before it was sent."""

@@ -16,6 +16,24 @@ QUEUE_DEPTH = Gauge("cleanup_queue_depth", "Messages claimable now.")
 QUEUE_PARKED = Gauge("cleanup_queue_parked_messages", "Messages waiting for a delayed retry.")
 QUEUE_LEASED = Gauge("cleanup_queue_leased_messages", "Messages held by a consumer.")
 
+QUEUE_REPOSTS = Counter(
+    "cleanup_queue_reposts",
+    "Messages published again with a delay because the transport has no nack or extend.")
+QUEUE_DROPPED = Counter(
+    "cleanup_queue_dropped_deliveries",
+    "Deliveries acked without work: superseded copies, settled or unknown operations, "
+    "malformed bodies.", ["reason"])
+QUEUE_DUPLICATES = Counter(
+    "cleanup_queue_duplicate_deliveries",
+    "Deliveries of a message this process already holds (left to their lease).")
+TRANSPORT_CALLS = Counter(
+    "cleanup_transport_requests", "Calls to a managed queue's API, by call and result.",
+    ["call", "result"])
+TRANSPORT_BLOCKED = Gauge(
+    "cleanup_transport_blocked",
+    "1 while the queue transport refuses us (bad key, no credit): consumption stopped.",
+    ["reason"])
+
 LIMITER_PAUSED_UNTIL = Gauge(
     "cleanup_limiter_paused_until_timestamp_seconds",
     "Unix time until which a Retry-After holds every worker; 0 when not paused.")
@@ -39,7 +57,13 @@ LIMITER_CONCURRENCY_BOUND = Gauge(
     "cleanup_limiter_concurrency_bound",
     "1 when limits.concurrency, not the rate, bounds the pace (rate x latency > it).")
 
-OPERATIONS = Counter("cleanup_operations", "Operations settled, by outcome.", ["outcome"])
+OPERATIONS = Counter(
+    "cleanup_operations",
+    "Operations that reached a terminal outcome (deleted, already_absent, failed), each once.",
+    ["outcome"])
+AMBIGUOUS_ENTERED = Counter(
+    "cleanup_operations_ambiguous",
+    "Operations that became ambiguous (their later resolution counts in cleanup_operations).")
 PARTNER_RESPONSES = Counter(
     "cleanup_partner_responses", "Partner answers by HTTP status (or 'error').", ["status"])
 PARTNER_DURATION = Histogram(
@@ -88,3 +112,12 @@ def publish_budget(snapshot: Snapshot) -> None:
     for quota in snapshot.quotas:
         LIMITER_QUOTA_REMAINING.labels(quota.name).set(quota.remaining)
         LIMITER_QUOTA_RESET.labels(quota.name).set(quota.resets_at)
+
+
+def count_settled(target: str) -> None:
+    """The one rule for the outcome counters: a terminal outcome once per operation, an
+    entry into ambiguous in its own counter (never both under one name)."""
+    if target == "ambiguous":
+        AMBIGUOUS_ENTERED.inc()
+    elif target in ("deleted", "already_absent", "failed"):
+        OPERATIONS.labels(target).inc()

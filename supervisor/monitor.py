@@ -12,7 +12,7 @@ from supervisor.budget.base import RateBudget
 from supervisor.errors import StorageError
 from supervisor.ledger.base import Ledger
 from supervisor.queue.base import Queue
-from supervisor.states import SETTLED, TERMINAL, OpState, RunState
+from supervisor.states import SETTLED, TERMINAL, RunState
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,16 @@ class Monitor:
         budget = self.budget.snapshot()
         metrics.publish_budget(budget)
         metrics.LEDGER_HEALTHY.set(1 if self.ledger.healthy else 0)
-        q = await self.queue.stats()
+        # A transport that cannot report its own queue is measured by the ledger, which
+        # keeps the same meaning: the oldest message that is claimable, not parked.
+        q = await (self.queue.stats() if self.queue.capabilities.stats
+                   else self.ledger.queue_stats())
         metrics.QUEUE_DEPTH.set(q.depth)
         metrics.QUEUE_PARKED.set(q.parked)
         metrics.QUEUE_LEASED.set(q.leased)
         metrics.QUEUE_OLDEST_AGE.set(q.oldest_claimable_age_s)
         s = await self.ledger.stats()
-        metrics.AMBIGUOUS.set(s.by_state.get(OpState.AMBIGUOUS, 0))
+        metrics.AMBIGUOUS.set(s.ambiguous)
         run = s.current_run
         if run is None:
             return

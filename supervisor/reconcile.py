@@ -21,6 +21,7 @@ from supervisor.config import PartnerConfig
 from supervisor.ledger.base import Ledger, Operation
 from supervisor.partner import PartnerClient, Presence
 from supervisor.queue.base import Message, Queue
+from supervisor.queue.courier import Courier
 from supervisor.states import OpState
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class Reconciler:
                  budget: RateBudget, partner: PartnerClient) -> None:
         self.config = config
         self.ledger = ledger
-        self.queue = queue
+        self.courier = Courier(ledger, queue)
         self.budget = budget
         self.partner = partner
         self.wakeup = asyncio.Event()
@@ -72,7 +73,7 @@ class Reconciler:
             await self.ledger.record_evidence(
                 op.id, "probe", OpState.DELETED,
                 "evidence: probe found the recipient gone after an ambiguous attempt", detail)
-            metrics.OPERATIONS.labels(OpState.DELETED.value).inc()
+            metrics.count_settled(OpState.DELETED.value)
         elif presence is Presence.PRESENT:
             await self._requeue(op, "probe", "evidence: probe found the recipient present; "
                                 "the ambiguous attempt did not take effect", detail)
@@ -96,7 +97,7 @@ class Reconciler:
             await self._requeue(op, "operator", reason, detail)
         else:
             await self.ledger.record_evidence(op.id, "operator", target, reason, detail)
-            metrics.OPERATIONS.labels(target.value).inc()
+            metrics.count_settled(target.value)
         log.info("operation %s resolved as %s by %s", op.id, decision, by,
                  extra={"operation_id": op.id, "run_id": op.run_id, "action": "resolve"})
         return target
@@ -107,4 +108,4 @@ class Reconciler:
         if must_publish:
             # A crash right here leaves a queued operation without a message: the
             # redriver finds and publishes it.
-            await self.queue.publish([Message(op.run_id, op.id, op.recipient_id)])
+            await self.courier.publish([Message(op.run_id, op.id, op.recipient_id)])

@@ -21,6 +21,7 @@ from supervisor.config import Config
 from supervisor.errors import SourceError
 from supervisor.ledger.base import Ledger, Run
 from supervisor.queue.base import Queue
+from supervisor.queue.courier import Courier
 from supervisor.sources import CandidateSource, FileSource, HttpSource, InlineSource
 from supervisor.states import RunState
 
@@ -105,15 +106,14 @@ class Publisher:
 
     def __init__(self, ledger: Ledger, queue: Queue, wakeup: asyncio.Event) -> None:
         self.ledger = ledger
-        self.queue = queue
+        self.courier = Courier(ledger, queue)
         self._wakeup = wakeup
 
     async def run(self) -> None:
         while True:
             self._wakeup.clear()
             while batch := await self.ledger.unpublished(PUBLISH_BATCH):
-                await self.queue.publish(batch)
-                await self.ledger.mark_queued([m.operation_id for m in batch])
+                await self.courier.publish(batch)
             with contextlib.suppress(TimeoutError):
                 # The timeout is a safety net for writes made by another process.
                 async with asyncio.timeout(30):

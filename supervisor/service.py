@@ -21,12 +21,20 @@ from supervisor import metrics
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config
 from supervisor.consumer import ConsumerPool
-from supervisor.errors import StartupError, StorageError, TooManyCrashes
+from supervisor.errors import (
+    QueueBlocked,
+    QueueError,
+    StartupError,
+    StorageError,
+    TooManyCrashes,
+)
 from supervisor.http import ApiState, create_app
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient
+from supervisor.queue.base import Queue
+from supervisor.queue.infrai import InfraiQueue
 from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
 from supervisor.redrive import Redriver
@@ -103,9 +111,15 @@ class Service:
         except BaseException:
             lock.release()
             raise
-        queue = SqliteQueue(db)
-        ledger = SqliteLedger(db, owns_queue=True)
-        released = await queue.recover_leases()
+        queue: Queue
+        released = 0
+        if c.queue.backend == "infrai":
+            queue = InfraiQueue(c.infrai)
+            await queue.start()
+        else:
+            sqlite_queue = queue = SqliteQueue(db)
+            released = await sqlite_queue.recover_leases()
+        ledger = SqliteLedger(db, owns_queue=queue.capabilities.transactional_ack)
         await ledger.release_dead_owners()
         budget = LocalBudget(c.limits, key=c.partner.base_url, store=ledger,
                              timeout_s=c.partner.request_timeout_seconds)
@@ -120,13 +134,13 @@ class Service:
         publisher = Publisher(ledger, queue, publish_wakeup)
         opener = RunOpener(c, ledger, scan_wakeup)
         reconciler = Reconciler(c.partner, ledger, queue, budget, partner)
-        redriver = Redriver(c.queue, ledger, queue)
+        redriver = Redriver(c.queue, ledger, queue, rate=lambda: budget.snapshot().rate)
         pool = self.pool = ConsumerPool(c, ledger, queue, budget, partner,
                                         on_settled=monitor.settled.set)
 
         def ready() -> tuple[bool, dict[str, bool]]:
-            checks = {"ledger": ledger.healthy, "workers": pool.running,
-                      "accepting": api.accepting}
+            checks = {"ledger": ledger.healthy, "queue": queue.healthy,
+                      "workers": pool.running, "accepting": api.accepting}
             ok = all(checks.values())
             metrics.READY.set(1 if ok else 0)
             return ok, checks
@@ -141,15 +155,16 @@ class Service:
         except OSError as exc:
             await runner.cleanup()
             await partner.close()
+            await queue.close()
             await db.close()
             lock.release()
             raise StartupError(f"cannot listen on {c.service.listen}: {exc.strerror}") from exc
         sockets = runner.addresses
         host, port = sockets[0][0], sockets[0][1]
         self.url = f"http://{host}:{port}"
-        log.info("listening on %s; ledger %s; %d workers at <= %g/s; %d leases handed back",
-                 self.url, c.ledger_path, c.limits.concurrency, c.limits.rate_per_second,
-                 released, extra={"action": "started"})
+        log.info("listening on %s; ledger %s; queue %s; %d workers at <= %g/s; %d leases "
+                 "handed back", self.url, c.ledger_path, c.queue.backend, c.limits.concurrency,
+                 c.limits.rate_per_second, released, extra={"action": "started"})
 
         components: list[tuple[str, Factory]] = [
             ("monitor", monitor.run),
@@ -190,6 +205,7 @@ class Service:
         # 4. close outward connections, then the ledger (it flushes pending writes)
         await runner.cleanup()
         await partner.close()
+        await queue.close()
         await db.close()
         lock.release()
         log.info("stopped after %.1fs: %d operations settled, %d workers, %d cut off at the "
@@ -210,6 +226,7 @@ class Service:
         backoff = s.restart_backoff_seconds
         crashes = self._restarts.setdefault(name, deque())
         while True:
+            began = time.monotonic()
             try:
                 await factory()
                 if self._stopping:
@@ -217,14 +234,16 @@ class Service:
                 raise RuntimeError(f"component {name} returned unexpectedly")
             except asyncio.CancelledError:
                 raise
-            except StorageError as exc:
-                # The ledger cannot commit (disk full, locked, read-only). Not the
-                # component's fault: wait for the fault to clear without escalating.
+            except (StorageError, QueueError) as exc:
+                # The ledger cannot commit (disk full, locked, read-only), or the queue
+                # transport refuses or fails us. Not the component's fault: wait for the
+                # fault to clear without escalating.
                 if self._stopping:
                     return
-                # A failed commit was said once already ("ledger cannot commit"): each
-                # component waiting on it is a detail, not another alarm.
-                reported = self._db is not None and not self._db.healthy
+                # A failed commit was said once already ("ledger cannot commit"), a
+                # refusing transport too: each component waiting on it is a detail.
+                reported = (self._db is not None and not self._db.healthy) or \
+                    isinstance(exc, QueueBlocked)
                 log.log(logging.DEBUG if reported else logging.WARNING,
                         "component %s paused: %s", name, exc,
                         extra={"action": "component_storage_wait"})
@@ -245,6 +264,10 @@ class Service:
                                  extra={"action": "escalate"})
                     self.request_stop()
                     return
+            # A component that ran well for a whole window before failing starts its
+            # backoff afresh: one fault a week must not wait 30 s because of last week's.
+            if time.monotonic() - began > s.restart_window_seconds:
+                backoff = s.restart_backoff_seconds
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(backoff):
                     await self.stop_requested.wait()

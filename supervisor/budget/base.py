@@ -78,6 +78,15 @@ class Snapshot:
     def paused_until(self) -> float:
         return self.state.paused_until
 
+    def held_for(self, now: float) -> float:
+        """How long :meth:`RateBudget.ready` would hold a worker now: a pause in force, or
+        a spent quota until its reset (0 when nothing holds)."""
+        hold = self.state.paused_until - now
+        for q in self.quotas:
+            if q.remaining <= 0:
+                hold = max(hold, q.resets_at - now)
+        return max(0.0, hold)
+
     def projected_finish(self, remaining_ops: int, now: float) -> float:
         """When ``remaining_ops`` more requests will have been sent, given the rate, a
         pause in force and every quota's remaining allowance and reset."""

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from supervisor.queue.base import Delivery, Message
+from supervisor.queue.base import Delivery, Message, QueueStats
 from supervisor.states import OpState, RunState
 
 
@@ -40,6 +40,7 @@ class Operation:
     reason: str | None
     created_at: float
     updated_at: float
+    due_at: float | None = None  # when its message is (or was) due to be delivered
     # The newest attempt has no outcome: the request may have reached the partner.
     unfinished_attempt: bool = False
 
@@ -96,8 +97,27 @@ class Settlement:
 
 
 @dataclass(frozen=True, slots=True)
+class Published:
+    """A message now out there for an operation: its ID and when it becomes deliverable."""
+
+    operation_id: str
+    message_id: str | None  # None: the wait is longer than the transport's longest delay
+    due_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """What the ledger knows about one delivery when it arrives."""
+
+    operation: Operation | None  # None: no such operation
+    # False: the operation's live message is another one (this is a superseded copy).
+    live: bool
+    receives: int  # deliveries since the operation's last outcome, this one included
+
+
+@dataclass(frozen=True, slots=True)
 class LedgerStats:
-    by_state: Mapping[OpState, int] = field(default_factory=dict)
+    ambiguous: int = 0
     current_run: Run | None = None
     current_run_by_state: Mapping[OpState, int] = field(default_factory=dict)
 
@@ -141,7 +161,13 @@ class Ledger(Protocol):
     async def unpublished(self, limit: int) -> list[Message]:
         """Operations discovered but not yet handed to the queue (the outbox)."""
 
-    async def mark_queued(self, operation_ids: Sequence[str]) -> None: ...
+    async def record_published(self, published: Sequence[Published]) -> None:
+        """Record each operation's live message; a discovered operation becomes queued."""
+
+    async def note_received(self, deliveries: Sequence[Delivery],
+                            lease_s: float) -> list[Received]:
+        """Count each delivery against its operation, as held for ``lease_s``; one
+        :class:`Received` per delivery, in order."""
 
     async def get_operation(self, operation_id: str) -> Operation | None: ...
 
@@ -164,7 +190,7 @@ class Ledger(Protocol):
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         """Commit outcomes; return the settlements whose message the transport must still
-        ack or nack (none when the queue lives in the ledger's own database)."""
+        ack or publish again (none when the queue lives in the ledger's own database)."""
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
                               reason: str, detail: str, status: int | None = None) -> bool:
@@ -177,9 +203,14 @@ class Ledger(Protocol):
     async def operations_in_state(self, state: OpState, after: int,
                                   limit: int) -> list[tuple[int, Operation]]: ...
 
-    async def active_since(self, updated_before: float, after: int,
-                           limit: int) -> list[tuple[int, Message]]:
-        """Operations the queue should carry (queued, retry_wait, in_flight), for redrive."""
+    async def overdue(self, before: float, unposted_before: float, after: int,
+                      limit: int) -> list[tuple[int, Message]]:
+        """Unsettled operations whose message must be published again (redrive): none is
+        live and the retry is due by ``unposted_before``, or nothing has delivered, held
+        or changed them since ``before``."""
+
+    async def queue_stats(self) -> QueueStats:
+        """The queue as the ledger sees it, for a transport that cannot report its own."""
 
     async def finish_runs(self) -> list[str]:
         """Mark draining runs with nothing left queued or in flight as done."""

@@ -56,11 +56,24 @@ class Database:
             await self._connect()
             assert self._writer is not None
             await self._writer.executescript(sql.SCHEMA)
+            await self._migrate(self._writer)
         except (OSError, sqlite3.Error) as exc:
             await self.close()
             raise StorageError(f"cannot open ledger {self.path}: {exc}") from exc
         self.healthy = True
         self._task = asyncio.create_task(self._write_loop(), name="ledger-writer")
+
+    @staticmethod
+    async def _migrate(conn: aiosqlite.Connection) -> None:
+        """Add the columns a ledger file written by an earlier release lacks."""
+        added = False
+        for table, column, decl in sql.ADDED_COLUMNS:
+            rows = await conn.execute_fetchall(f"PRAGMA table_info({table})")
+            if column not in {r[1] for r in rows}:
+                await conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+                added = True
+        if added:
+            await conn.execute(sql.BACKFILL_DUE)
 
     async def _connect(self) -> None:
         self._writer = await aiosqlite.connect(self.path, isolation_level=None)

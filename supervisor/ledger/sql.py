@@ -41,6 +41,13 @@ CREATE TABLE IF NOT EXISTS operations (
     updated_at REAL NOT NULL,
     owner TEXT,                             -- the lease holding the attempt in flight
     busy_until REAL,                        -- no other worker may start an attempt before
+    -- The transport's bookkeeping, kept here because a managed queue does not give it:
+    message_id TEXT,                        -- the live message; NULL: none is out there
+    published_at REAL,
+    due_at REAL,                            -- when the live message becomes deliverable
+    receives INTEGER NOT NULL DEFAULT 0,    -- deliveries since the last outcome (poison)
+    received_at REAL,
+    leased_until REAL,                      -- a consumer holds the message until then
     UNIQUE (run_id, recipient_id)
 );
 CREATE INDEX IF NOT EXISTS operations_state ON operations(state);
@@ -81,6 +88,18 @@ CREATE TABLE IF NOT EXISTS budget_memory (
 );
 """
 
+# Columns added after the first release: an existing ledger file gains them at open.
+ADDED_COLUMNS = (
+    ("operations", "message_id", "TEXT"),
+    ("operations", "published_at", "REAL"),
+    ("operations", "due_at", "REAL"),
+    ("operations", "receives", "INTEGER NOT NULL DEFAULT 0"),
+    ("operations", "received_at", "REAL"),
+    ("operations", "leased_until", "REAL"),
+)
+# Work a migrated file had in the queue is due at once.
+BACKFILL_DUE = "UPDATE operations SET due_at = updated_at WHERE due_at IS NULL"
+
 PRAGMAS = (
     "PRAGMA journal_mode=WAL",
     # FULL: a commit survives power loss, not only a killed process; group commit pays
@@ -98,7 +117,7 @@ RUN_COLUMNS = (
     "discovered, skipped_candidates, scan_failures, last_error, created_at, "
     "scan_finished_at, finished_at"
 )
-OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at"
+OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at, due_at"
 
 # runs
 INSERT_RUN = (
@@ -149,7 +168,8 @@ REOPEN_RUN = (
     "UPDATE runs SET state = 'draining', finished_at = NULL WHERE id = ? AND state = 'done'"
 )
 COUNT_RUN_STATES = "SELECT state, COUNT(*) FROM operations WHERE run_id = ? GROUP BY state"
-COUNT_STATES = "SELECT state, COUNT(*) FROM operations GROUP BY state"
+# Every second: only the unsettled (by the state index), never the whole history.
+COUNT_AMBIGUOUS = "SELECT COUNT(*) FROM operations WHERE state = 'ambiguous'"
 
 # operations
 INSERT_OPERATION = (
@@ -175,8 +195,54 @@ SELECT_UNPUBLISHED = (
     "ORDER BY rowid LIMIT ?"
 )
 SELECT_OP_STATE = "SELECT state, attempts, owner, busy_until FROM operations WHERE id = ?"
-UPDATE_OP_QUEUED = (
-    "UPDATE operations SET state = 'queued', updated_at = ? WHERE id = ? AND state = 'discovered'"
+# A message is out there for the operation (the outbox's publish, a repost with a delay,
+# a redrive). A discovered operation becomes queued; any other keeps its state.
+RECORD_PUBLISHED = (
+    "UPDATE operations SET message_id = :message_id, published_at = :now, due_at = :due_at,"
+    " leased_until = NULL, updated_at = :now,"
+    " state = CASE state WHEN 'discovered' THEN 'queued' ELSE state END "
+    "WHERE id = :id AND state IN ('discovered', 'queued', 'retry_wait', 'in_flight')"
+)
+# A delivery arrived. Only the live message counts: another one is a superseded copy (a
+# repost's predecessor whose ack was lost) and matches nothing. No message recorded yet
+# (the consumer beat the outbox's bookkeeping) makes this one the live one.
+NOTE_RECEIVED = (
+    "UPDATE operations SET receives = receives + 1, received_at = :now,"
+    " leased_until = :until, message_id = COALESCE(message_id, :message_id) "
+    "WHERE id = :id AND (message_id IS NULL OR message_id = :message_id) RETURNING receives"
+)
+# After an outcome: the receive count starts again; a retry is due after its delay. With
+# a transport outside this database the old message is about to be acked (``clear``), so
+# no message is live until the repost records its own.
+SETTLE_BOOKKEEPING = (
+    "UPDATE operations SET receives = 0,"
+    " leased_until = CASE WHEN :keep THEN leased_until ELSE NULL END,"
+    " due_at = COALESCE(:due_at, due_at),"
+    " message_id = CASE WHEN :clear THEN NULL ELSE message_id END "
+    "WHERE id = :id"
+)
+_ACTIVE = "state IN ('queued', 'retry_wait', 'in_flight')"
+_HELD = "(state = 'in_flight' OR leased_until > :now)"
+_CLAIMABLE = f"(NOT {_HELD} AND due_at <= :now)"
+# The queue as the ledger sees it, for a transport that cannot say: only unsettled rows.
+LEDGER_QUEUE_STATS = (
+    "SELECT"
+    f" COUNT(*) FILTER (WHERE {_CLAIMABLE}),"
+    f" COUNT(*) FILTER (WHERE NOT {_HELD} AND due_at > :now),"
+    f" COUNT(*) FILTER (WHERE {_HELD}),"
+    f" MIN(MAX(due_at, COALESCE(leased_until, 0))) FILTER (WHERE {_CLAIMABLE}) "
+    f"FROM operations WHERE {_ACTIVE}"
+)
+# Redrive, from ledger state and age alone: an unsettled operation with no live message
+# whose retry is due (a wait past the transport's longest delay, a repost that never
+# happened), or one nothing has touched since ``before`` (nothing delivered it, nobody
+# holds it): its message was lost.
+SELECT_OVERDUE = (
+    "SELECT rowid, run_id, id, recipient_id FROM operations "
+    f"WHERE {_ACTIVE} AND rowid > :after AND ("
+    " (message_id IS NULL AND state != 'in_flight' AND due_at <= :unposted_before)"
+    " OR MAX(COALESCE(due_at, 0), COALESCE(leased_until, 0), COALESCE(busy_until, 0),"
+    " updated_at) <= :before) ORDER BY rowid LIMIT :limit"
 )
 
 
@@ -205,12 +271,6 @@ SELECT_OPERATIONS_BY_STATE = (
 SELECT_AMBIGUOUS_DUE = (
     f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= ? "
     "ORDER BY updated_at LIMIT ?"
-)
-# Operations the queue should be carrying: candidates for redrive.
-SELECT_ACTIVE_SINCE = (
-    "SELECT rowid, run_id, id, recipient_id FROM operations "
-    "WHERE state IN ('queued', 'retry_wait', 'in_flight') AND updated_at <= ? AND rowid > ? "
-    "ORDER BY rowid LIMIT ?"
 )
 INSERT_EVIDENCE = (
     "INSERT INTO attempts (operation_id, n, kind, started_at, finished_at, status, outcome, detail) "
@@ -271,9 +331,6 @@ RELEASE_DEAD_LEASES = (
 # Likewise every attempt still held in flight: its owner (a lease) died with that process.
 RELEASE_DEAD_OWNERS = (
     "UPDATE operations SET owner = NULL, busy_until = NULL WHERE busy_until IS NOT NULL"
-)
-SELECT_MISSING_MESSAGES = (
-    "SELECT value FROM json_each(?) WHERE value NOT IN (SELECT operation_id FROM messages)"
 )
 
 SELECT_BUDGET = "SELECT state FROM budget_memory WHERE key = ?"

@@ -28,11 +28,13 @@ from supervisor.ledger.base import (
     OpenRunResult,
     Operation,
     PageResult,
+    Published,
+    Received,
     Run,
     Settlement,
 )
 from supervisor.ledger.database import Database
-from supervisor.queue.base import Message
+from supervisor.queue.base import Delivery, Message, QueueStats
 from supervisor.states import OpState, RunState
 
 
@@ -65,7 +67,7 @@ def _op(row: sqlite3.Row | tuple[Any, ...], unfinished: bool = False) -> Operati
     return Operation(
         id=row[0], run_id=row[1], recipient_id=row[2], state=OpState(row[3]),
         attempts=row[4], reason=row[5], created_at=row[6], updated_at=row[7],
-        unfinished_attempt=unfinished,
+        due_at=row[8], unfinished_attempt=unfinished,
     )
 
 
@@ -160,13 +162,34 @@ class SqliteLedger:
         rows = await self.db.read(sql.SELECT_UNPUBLISHED, (limit,))
         return [Message(run_id=r[0], operation_id=r[1], recipient_id=r[2]) for r in rows]
 
-    async def mark_queued(self, operation_ids: Sequence[str]) -> None:
+    async def record_published(self, published: Sequence[Published]) -> None:
         now = time.time()
+        rows = [{"message_id": p.message_id, "now": now, "due_at": p.due_at,
+                 "id": p.operation_id} for p in published]
 
         async def write(conn: aiosqlite.Connection) -> None:
-            await conn.executemany(sql.UPDATE_OP_QUEUED, [(now, i) for i in operation_ids])
+            await conn.executemany(sql.RECORD_PUBLISHED, rows)
 
         await self.db.write(write)
+
+    async def note_received(self, deliveries: Sequence[Delivery],
+                            lease_s: float) -> list[Received]:
+        async def write(conn: aiosqlite.Connection) -> dict[int, int]:
+            now = time.time()
+            counted: dict[int, int] = {}
+            for i, d in enumerate(deliveries):
+                rows = list(await conn.execute_fetchall(sql.NOTE_RECEIVED, {
+                    "now": now, "until": now + lease_s, "message_id": d.message_id,
+                    "id": d.message.operation_id}))
+                if rows:
+                    counted[i] = int(rows[0][0])
+            return counted
+
+        # Nothing is written before the first UPDATE can fail: no savepoint needed.
+        counted = await self.db.write(write, savepoint=False)
+        ops = await self.get_operations([d.message.operation_id for d in deliveries])
+        return [Received(ops.get(d.message.operation_id), i in counted, counted.get(i, 0))
+                for i, d in enumerate(deliveries)]
 
     async def get_operation(self, operation_id: str) -> Operation | None:
         return (await self.get_operations([operation_id])).get(operation_id)
@@ -174,7 +197,7 @@ class SqliteLedger:
     async def get_operations(self, operation_ids: Sequence[str]) -> dict[str, Operation]:
         rows = await self.db.read(sql.SELECT_OPERATIONS_WITH_OPEN_ATTEMPT,
                                   (orjson.dumps(list(operation_ids)).decode(),))
-        return {r[0]: _op(r, unfinished=bool(r[8])) for r in rows}
+        return {r[0]: _op(r, unfinished=bool(r[9])) for r in rows}
 
     async def list_operations(self, run_id: str, state: OpState | None, after: int,
                               limit: int) -> list[tuple[int, Operation]]:
@@ -310,11 +333,13 @@ class SqliteLedger:
         await conn.executemany(sql.FINISH_ATTEMPT, [
             (now, s.status, s.outcome, s.detail, s.attempt_id)
             for s in settlements if s.attempt_id is not None])
+        await conn.executemany(sql.SETTLE_BOOKKEEPING,
+                               [self._bookkeeping(s, now) for s in settlements])
         await conn.executemany(sql.DELETE_MESSAGE, [
-            (s.operation_id, s.delivery.lease_token) for s in settlements
+            (s.operation_id, s.delivery.receipt) for s in settlements
             if s.delivery is not None and s.disposition is Disposition.ACK])
         await conn.executemany(sql.RETRY_MESSAGE, [
-            (now + s.delay_s, s.operation_id, s.delivery.lease_token) for s in settlements
+            (now + s.delay_s, s.operation_id, s.delivery.receipt) for s in settlements
             if s.delivery is not None and s.disposition is Disposition.RETRY])
         return True
 
@@ -331,13 +356,22 @@ class SqliteLedger:
                 # Held because an earlier attempt has no outcome (its process died):
                 # that outcome is unknown for good, not "still in the air".
                 await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, (now, s.operation_id))
+            await conn.execute(sql.SETTLE_BOOKKEEPING, self._bookkeeping(s, now))
             if self._owns_queue and s.delivery is not None:
-                token = s.delivery.lease_token
+                token = s.delivery.receipt
                 if s.disposition is Disposition.ACK:
                     await conn.execute(sql.DELETE_MESSAGE, (s.operation_id, token))
                 elif s.disposition is Disposition.RETRY:
                     await conn.execute(sql.RETRY_MESSAGE,
                                        (now + s.delay_s, s.operation_id, token))
+
+    def _bookkeeping(self, s: Settlement, now: float) -> dict[str, Any]:
+        retry = s.disposition is Disposition.RETRY
+        return {"keep": s.disposition is Disposition.KEEP,
+                "due_at": now + s.delay_s if retry else None,
+                # The transport acks the old message after this commit and publishes a
+                # new one for a retry: until then no message of this operation is live.
+                "clear": retry and not self._owns_queue, "id": s.operation_id}
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
                               reason: str, detail: str, status: int | None = None) -> bool:
@@ -357,6 +391,11 @@ class SqliteLedger:
                                                      status, target.value, detail[:1000]))
             if target is OpState.QUEUED:
                 await conn.execute(sql.REOPEN_RUN, (op.run_id,))
+                # Due now, with no live message until it is published (redrive's cue
+                # should the publish after this commit never happen).
+                await conn.execute(sql.SETTLE_BOOKKEEPING, {
+                    "keep": False, "due_at": now, "clear": not self._owns_queue,
+                    "id": operation_id})
                 if self._owns_queue:
                     await conn.execute(sql.INSERT_MESSAGE,
                                        (operation_id, op.run_id, op.recipient_id, now, now))
@@ -374,10 +413,20 @@ class SqliteLedger:
         rows = await self.db.read(sql.SELECT_OPERATIONS_BY_STATE, (state.value, after, limit))
         return [(r[0], _op(r[1:])) for r in rows]
 
-    async def active_since(self, updated_before: float, after: int,
-                           limit: int) -> list[tuple[int, Message]]:
-        rows = await self.db.read(sql.SELECT_ACTIVE_SINCE, (updated_before, after, limit))
+    async def overdue(self, before: float, unposted_before: float, after: int,
+                      limit: int) -> list[tuple[int, Message]]:
+        rows = await self.db.read(sql.SELECT_OVERDUE, {
+            "before": before, "unposted_before": unposted_before, "after": after,
+            "limit": limit})
         return [(r[0], Message(run_id=r[1], operation_id=r[2], recipient_id=r[3])) for r in rows]
+
+    async def queue_stats(self) -> QueueStats:
+        now = time.time()
+        row = await self.db.read_one(sql.LEDGER_QUEUE_STATS, {"now": now})
+        assert row is not None
+        oldest = now - row[3] if row[3] is not None else 0.0
+        return QueueStats(depth=row[0], parked=row[1], leased=row[2],
+                          oldest_claimable_age_s=max(0.0, oldest))
 
     async def finish_runs(self) -> list[str]:
         async def write(conn: aiosqlite.Connection) -> list[str]:
@@ -387,11 +436,11 @@ class SqliteLedger:
         return await self.db.write(write)
 
     async def stats(self) -> LedgerStats:
-        by_state = {OpState(s): n for s, n in await self.db.read(sql.COUNT_STATES)}
+        ambiguous = await self.db.read_one(sql.COUNT_AMBIGUOUS)
         row = await self.db.read_one(sql.SELECT_CURRENT_RUN)
         current = _run(row) if row else None
         current_counts = await self.run_counts(current.id) if current else {}
-        return LedgerStats(by_state=by_state, current_run=current,
+        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0, current_run=current,
                            current_run_by_state=current_counts)
 
     async def load_budget(self, key: str) -> dict[str, Any] | None:

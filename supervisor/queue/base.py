@@ -1,10 +1,21 @@
-"""The queue protocol every backend implements. Consumers never know which one they have."""
+"""The queue protocol: what a transport really does, and what it may also do.
+
+A transport publishes, hands out messages under a visibility timeout and deletes them on
+ack. Everything else is optional and declared in :class:`Capabilities`: the consumer,
+redrive and monitor work with a transport that has none of it, because the ledger keeps
+the bookkeeping a managed queue does not give (each operation's live message, when it
+was published, how often it was received, when a delayed retry is due).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+# The documented ceilings of managed queues (Infrai: 256 KB bodies, 7-day delays).
+MAX_DELAY_S = 7 * 86400.0
+MAX_PAYLOAD_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,11 +29,27 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """A message held under a lease. ``lease_token`` proves the lease is still ours."""
+    """One delivery of a message, held under a visibility timeout.
+
+    ``message_id`` is the transport's name for the message (the same on every delivery of
+    it); ``receipt`` names this one delivery: it owns the operation's attempt in the
+    ledger, so two deliveries of one message never have two attempts in flight.
+    """
 
     message: Message
-    lease_token: str
-    receives: int
+    message_id: str
+    receipt: str
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    # Acks and nacks join the ledger's own transaction (the queue lives in its database):
+    # the outcome and the ack commit together instead of one after the other.
+    transactional_ack: bool = False
+    extend: bool = False  # a held message's visibility timeout can be pushed out
+    nack: bool = False  # a message can be handed back, visible again after a delay
+    stats: bool = False  # depth, parked, leased and oldest age are cheap to ask
+    max_delay_s: float = MAX_DELAY_S  # the longest delay publish accepts
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,26 +61,38 @@ class QueueStats:
 
 
 class Queue(Protocol):
-    async def publish(self, messages: Sequence[Message]) -> None:
-        """Make messages claimable. Publishing an operation twice keeps one message."""
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    def healthy(self) -> bool:
+        """False while the transport refuses us (credentials, credit) or is unreachable."""
+
+    async def publish(self, messages: Sequence[Message], delay_s: float = 0.0) -> list[str]:
+        """Make messages claimable after ``delay_s`` (at most ``max_delay_s``); return
+        their message IDs in order. A retried publish must not create a second message."""
 
     async def receive(self, max_messages: int, lease_s: float) -> list[Delivery]:
-        """Claim up to ``max_messages`` claimable messages for ``lease_s``; may return none."""
+        """Take up to ``max_messages`` visible messages for ``lease_s``; may return none."""
 
     async def wait(self, timeout_s: float) -> None:
-        """Return when a message may have become claimable, or after ``timeout_s``."""
+        """Return when a message may have become visible, or after ``timeout_s``."""
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
-        """Remove delivered messages. A lease lost meanwhile makes that ack a no-op."""
+        """Delete delivered messages for good."""
 
     async def nack(self, delivery: Delivery, delay_s: float) -> None:
-        """Give the message back, claimable again after ``delay_s``."""
+        """Hand a message back, visible again after ``delay_s``. Only with ``nack``."""
 
     async def extend(self, delivery: Delivery, lease_s: float) -> bool:
-        """Push the lease ``lease_s`` into the future; False when the lease was lost."""
-
-    async def missing(self, operation_ids: Sequence[str]) -> set[str]:
-        """Which of these operations have no message in the queue (for redrive)."""
+        """Push the visibility timeout ``lease_s`` out; False when the lease was lost.
+        Only with ``extend``."""
 
     async def stats(self) -> QueueStats:
-        """Depth, parked, leased and the age of the oldest claimable message."""
+        """Depth, parked, leased, oldest claimable age. Only with ``stats``."""
+
+    async def close(self) -> None: ...
+
+
+class Unsupported(NotImplementedError):
+    """An optional method called on a transport that does not declare it: a bug."""

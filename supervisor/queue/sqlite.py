@@ -9,33 +9,46 @@ import time
 from collections.abc import Sequence
 
 import aiosqlite
-import orjson
 
 from supervisor.ledger import sql
 from supervisor.ledger.database import Database
-from supervisor.queue.base import Delivery, Message, QueueStats
+from supervisor.queue.base import Capabilities, Delivery, Message, QueueStats
+
+CAPABILITIES = Capabilities(transactional_ack=True, extend=True, nack=True, stats=True,
+                            max_delay_s=float("inf"))
 
 
 class SqliteQueue:
     """:class:`~supervisor.queue.base.Queue` sharing the ledger's :class:`Database`.
 
     ``available_at`` is both the delay and the lease: a claim pushes it ``lease_s`` ahead,
-    so a consumer that dies simply lets the message become claimable again.
+    so a consumer that dies simply lets the message become claimable again. One row per
+    operation, keyed by its ID: that is the message ID, and a second publish is a no-op.
     """
 
     def __init__(self, db: Database) -> None:
         self.db = db
         self._wakeup = asyncio.Event()
 
-    async def publish(self, messages: Sequence[Message]) -> None:
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    @property
+    def healthy(self) -> bool:
+        return self.db.healthy
+
+    async def publish(self, messages: Sequence[Message], delay_s: float = 0.0) -> list[str]:
         now = time.time()
-        rows = [(m.operation_id, m.run_id, m.recipient_id, now, now) for m in messages]
+        rows = [(m.operation_id, m.run_id, m.recipient_id, now + delay_s, now)
+                for m in messages]
 
         async def write(conn: aiosqlite.Connection) -> None:
             await conn.executemany(sql.INSERT_MESSAGE, rows)
 
         await self.db.write(write)
         self._wakeup.set()
+        return [m.operation_id for m in messages]
 
     async def receive(self, max_messages: int, lease_s: float) -> list[Delivery]:
         token = secrets.token_hex(8)
@@ -44,7 +57,7 @@ class SqliteQueue:
             now = time.time()
             rows = await conn.execute_fetchall(sql.CLAIM_MESSAGES,
                                                (now + lease_s, token, now, max_messages))
-            return [Delivery(Message(r[0], r[1], r[2]), token, r[3]) for r in rows]
+            return [Delivery(Message(r[0], r[1], r[2]), r[1], token) for r in rows]
 
         return await self.db.write(write, savepoint=False)  # a single statement
 
@@ -59,7 +72,7 @@ class SqliteQueue:
                 await self._wakeup.wait()
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
-        rows = [(d.message.operation_id, d.lease_token) for d in deliveries]
+        rows = [(d.message.operation_id, d.receipt) for d in deliveries]
 
         async def write(conn: aiosqlite.Connection) -> None:
             await conn.executemany(sql.DELETE_MESSAGE, rows)
@@ -70,7 +83,7 @@ class SqliteQueue:
         async def write(conn: aiosqlite.Connection) -> None:
             await conn.execute(sql.RETRY_MESSAGE, (time.time() + delay_s,
                                                    delivery.message.operation_id,
-                                                   delivery.lease_token))
+                                                   delivery.receipt))
 
         await self.db.write(write)
         if delay_s <= 0:
@@ -80,15 +93,10 @@ class SqliteQueue:
         async def write(conn: aiosqlite.Connection) -> bool:
             cur = await conn.execute(sql.EXTEND_MESSAGE, (time.time() + lease_s,
                                                           delivery.message.operation_id,
-                                                          delivery.lease_token))
+                                                          delivery.receipt))
             return cur.rowcount == 1
 
         return await self.db.write(write)
-
-    async def missing(self, operation_ids: Sequence[str]) -> set[str]:
-        rows = await self.db.read(sql.SELECT_MISSING_MESSAGES,
-                                  (orjson.dumps(list(operation_ids)).decode(),))
-        return {r[0] for r in rows}
 
     async def recover_leases(self) -> int:
         """Hand back leases a previous process held; call once, under the data-dir lock."""
@@ -110,3 +118,6 @@ class SqliteQueue:
         oldest = now - row[3] if row[3] is not None else 0.0
         return QueueStats(depth=row[0], parked=row[1], leased=row[2],
                           oldest_claimable_age_s=max(0.0, oldest))
+
+    async def close(self) -> None:
+        """Nothing of its own: the ledger closes the shared database."""

@@ -62,5 +62,8 @@ async def test_no_idempotency_keys_means_ambiguous_never_resent(e2e):
         assert (e["fault"], e["idempotency_key"]) == ("timeout", None), e
 
     m = await svc.metrics()
-    assert m.value("cleanup_operations_total", outcome="ambiguous") == hung
+    assert m.value("cleanup_operations_ambiguous_total") == hung
+    # Each operation counted once: the ambiguous ones under their own counter only.
+    assert m.get("cleanup_operations_total", outcome="deleted") + \
+        m.get("cleanup_operations_total", outcome="already_absent") == POPULATION - hung
     assert m.get("cleanup_partner_responses_total", status="error") == hung

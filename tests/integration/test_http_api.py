@@ -15,6 +15,7 @@ import pytest
 from supervisor.errors import StorageError
 from supervisor.http import MAX_INLINE_IDS
 from supervisor.ledger.base import Settlement
+from supervisor.queue.courier import Courier
 from supervisor.states import OpState
 
 from .http_app import AUTH, TOKEN, Api, load_config, running_api
@@ -321,8 +322,7 @@ async def test_operations_page_with_after_and_next_after(api: Api) -> None:
 async def test_operations_filtered_by_state(api: Api) -> None:
     run_id = await _run_with_operations(api, 3)
     batch = await api.ledger.unpublished(1)
-    await api.queue.publish(batch)
-    await api.ledger.mark_queued([m.operation_id for m in batch])
+    await Courier(api.ledger, api.queue).publish(batch)
     status, doc = await call(api, "GET", f"/v1/runs/{run_id}/operations",
                              params={"state": "queued"}, headers=AUTH)
     assert status == 200

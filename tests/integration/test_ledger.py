@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from supervisor.errors import IllegalTransition, OperationBusy
-from supervisor.ledger.base import Disposition, Run, Settlement
+from supervisor.ledger.base import Disposition, Published, Run, Settlement
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger, new_operation_id
 from supervisor.queue.base import Delivery
+from supervisor.queue.courier import Courier
 from supervisor.queue.sqlite import SqliteQueue
 from supervisor.states import OpState, RunState
 
@@ -42,8 +43,7 @@ async def discovered_run(ledger: SqliteLedger, queue: SqliteQueue, ids: list[str
     run = await open_run(ledger)
     await ledger.record_page(run.id, ids, None, 0)
     batch = await ledger.unpublished(1000)
-    await queue.publish(batch)
-    await ledger.mark_queued([m.operation_id for m in batch])
+    await Courier(ledger, queue).publish(batch)
     return run
 
 
@@ -168,7 +168,8 @@ async def test_same_recipient_in_two_runs_is_two_operations(ledger: SqliteLedger
     two = await open_run(ledger, "weekly@2")
     await ledger.record_page(one.id, ["a"], None, 0)
     await ledger.record_page(two.id, ["a"], None, 0)
-    assert (await ledger.stats()).by_state == {OpState.DISCOVERED: 2}
+    assert await ledger.run_counts(one.id) == {OpState.DISCOVERED: 1}
+    assert await ledger.run_counts(two.id) == {OpState.DISCOVERED: 1}
 
 
 async def test_scan_failure_and_abandon(ledger: SqliteLedger) -> None:
@@ -192,8 +193,7 @@ async def test_outbox_unpublished_then_queued(ledger: SqliteLedger, queue: Sqlit
     await ledger.record_page(run.id, ["a", "b"], None, 0)
     batch = await ledger.unpublished(10)
     assert [(m.run_id, m.recipient_id) for m in batch] == [(run.id, "a"), (run.id, "b")]
-    await queue.publish(batch)
-    await ledger.mark_queued([m.operation_id for m in batch])
+    await Courier(ledger, queue).publish(batch)
     assert await ledger.unpublished(10) == []
     assert await ledger.run_counts(run.id) == {OpState.QUEUED: 2}
 
@@ -206,7 +206,7 @@ async def test_settle_ack_removes_the_message_in_the_same_transaction(
     run = await discovered_run(ledger, queue, ["a"])
     delivery = await take(queue)
     op_id = delivery.message.operation_id
-    attempt = await ledger.begin_attempt(op_id, "delete", owner=delivery.lease_token, busy_s=30)
+    attempt = await ledger.begin_attempt(op_id, "delete", owner=delivery.receipt, busy_s=30)
     op = await ledger.get_operation(op_id)
     assert op is not None
     assert (op.state, op.attempts, op.unfinished_attempt) == (OpState.IN_FLIGHT, 1, True)
@@ -455,27 +455,65 @@ async def test_a_scanning_run_is_never_finished(ledger: SqliteLedger) -> None:
     assert await ledger.finish_runs() == []
 
 
-async def test_redrive_finds_active_operations_without_a_message(
+async def test_overdue_is_decided_from_ledger_age_alone(
         db: Database, ledger: SqliteLedger, queue: SqliteQueue) -> None:
-    await discovered_run(ledger, queue, ["a", "b"])
-    d = await take(queue)
-    await queue.ack([d])  # the message is gone but the operation is still queued
-    active = await ledger.active_since(time.time() + 1, 0, 10)
-    ids = [m.operation_id for _, m in active]
-    assert len(ids) == 2
-    assert await queue.missing(ids) == {d.message.operation_id}
+    await discovered_run(ledger, queue, ["a", "b", "c"])
+    held = await take(queue)
+    await ledger.note_received([held], 60)  # a consumer holds it: not overdue
+    now = time.time()
+    overdue = {m.operation_id for _, m in await ledger.overdue(now + 1, now, 0, 10)}
+    assert held.message.operation_id not in overdue
+    assert len(overdue) == 2  # the others: nothing has delivered them since they were due
+    assert await ledger.overdue(now - 60, now - 60, 0, 10) == []  # within the grace
+
+
+async def test_a_retry_past_the_transports_longest_delay_is_overdue_when_due(
+        db: Database, ledger: SqliteLedger) -> None:
+    """Without transactional ack the settle leaves no live message for a retry; the
+    courier publishes one, unless the wait is too long for the transport: then redrive
+    publishes it when it is due, and not before."""
+    mine = SqliteLedger(db, owns_queue=False)
+    run = await open_run(mine)
+    await mine.record_page(run.id, ["a"], None, 0)
+    [m] = await mine.unpublished(10)
+    await mine.record_published([Published(m.operation_id, "m-1", time.time())])
+    delivery = Delivery(m, "m-1", "receipt-1")
+    [got] = await mine.note_received([delivery], 60)
+    assert (got.live, got.receives) == (True, 1)
+    attempt = await mine.begin_attempt(m.operation_id, "delete", owner="receipt-1", busy_s=30)
+    [left] = await mine.settle([Settlement(m.operation_id, OpState.RETRY_WAIT, delivery,
+                                           Disposition.RETRY, delay_s=0.3, attempt_id=attempt,
+                                           status=503, outcome="transient", detail="HTTP 503")])
+    assert left.delivery == delivery  # the transport must still ack it: ack after commit
+    now = time.time()
+    assert await mine.overdue(0, now, 0, 10) == []  # not due yet
+    [(_, due)] = await mine.overdue(0, now + 1, 0, 10)
+    assert due.operation_id == m.operation_id
+    # The old message, delivered again before any repost, is no superseded copy: no other
+    # message is live. Its receive count started again with the outcome.
+    [again] = await mine.note_received([delivery], 60)
+    assert (again.live, again.receives) == (True, 1)
+    # A later repost makes another message the live one; the old one is superseded.
+    await mine.record_published([Published(m.operation_id, "m-2", time.time())])
+    [stale] = await mine.note_received([delivery], 60)
+    assert not stale.live
 
 
 async def test_stats(ledger: SqliteLedger, queue: SqliteQueue) -> None:
     empty = await ledger.stats()
     assert empty.current_run is None
-    assert empty.by_state == {}
+    assert empty.ambiguous == 0
     run = await discovered_run(ledger, queue, ["a", "b"])
     stats = await ledger.stats()
     assert stats.current_run is not None
     assert stats.current_run.id == run.id
-    assert stats.by_state == {OpState.QUEUED: 2}
+    assert stats.ambiguous == 0
     assert stats.current_run_by_state == {OpState.QUEUED: 2}
+    d = await take(queue)
+    await ledger.begin_attempt(d.message.operation_id, "delete")
+    await ledger.settle([Settlement(d.message.operation_id, OpState.AMBIGUOUS, d,
+                                    reason="timeout")])
+    assert (await ledger.stats()).ambiguous == 1
 
 
 async def test_everything_survives_a_reopen(tmp_path: Path) -> None:

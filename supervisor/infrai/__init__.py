@@ -1,0 +1,1 @@
+"""Infrai: the managed clock-and-queue layer (REST client and its surfaces)."""

@@ -1,0 +1,209 @@
+"""The Queue protocol's contract: every transport passes this one class.
+
+Backends: the embedded SQLite queue on a real file, and the Infrai adapter against the
+emulator on loopback in each capability mix the reference leaves open (no nack and no
+extend, nack only, nack and extend, a bare-list consume answer, a strict server that
+rejects late and unknown acks). Optional methods are exercised where a transport declares
+them and must refuse cleanly where it does not.
+
+Time: the SQLite queue's leases are wall-clock (short ones, waited out); the emulator's
+clock is advanced instead, so a visibility timeout or a delay costs no real waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import InfraiConfig, Secret
+from supervisor.errors import QueueError
+from supervisor.ledger.database import Database
+from supervisor.queue.base import Message, Queue, Unsupported
+from supervisor.queue.infrai import InfraiQueue
+from supervisor.queue.sqlite import SqliteQueue
+from supervisor.sandbox.infrai import EmulatorConfig, start_emulator
+
+KEY = "ifr_contract_key"
+
+
+@dataclass
+class Backend:
+    queue: Queue
+    lease_s: float  # what the tests lease for
+    delay_s: float  # what the tests delay by
+    # Let ``seconds`` pass on the transport's clock.
+    advance: Callable[[float], Awaitable[None]]
+
+
+INFRAI_MIXES: dict[str, dict[str, object]] = {
+    "infrai": {},
+    "infrai-bare-list": {"consume_shape": "bare"},
+    "infrai-nack": {"nack_route": "/v1/queue/nack"},
+    "infrai-nack-extend": {"nack_route": "/v1/queue/nack", "extend_route": "/v1/queue/extend"},
+    "infrai-strict": {"ack_expired": "reject", "ack_unknown": "not_found",
+                      "create_existing": "conflict", "key_reuse": "conflict",
+                      "require_create_keys": True, "message_extras": True},
+}
+
+
+@pytest.fixture(params=["sqlite", *INFRAI_MIXES])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    if request.param == "sqlite":
+        db = Database(tmp_path / "queue.sqlite3")
+        await db.open()
+
+        async def sleep(seconds: float) -> None:
+            await asyncio.sleep(seconds)  # SQLite leases are wall-clock: time must pass
+
+        try:
+            yield Backend(SqliteQueue(db), lease_s=0.1, delay_s=0.2, advance=sleep)
+        finally:
+            await db.close()
+        return
+    mix = INFRAI_MIXES[request.param]
+    emulator = await start_emulator(EmulatorConfig(api_key=KEY, **mix))  # type: ignore[arg-type]
+
+    async def advance(seconds: float) -> None:
+        emulator.advance(seconds)
+
+    config = InfraiConfig(base_url=emulator.url, token=Secret(KEY), queue="contract",
+                          nack_path=str(mix.get("nack_route") or ""),
+                          extend_path=str(mix.get("extend_route") or ""),
+                          backoff_initial_seconds=0.01, backoff_max_seconds=0.05)
+    queue = InfraiQueue(config)
+    await queue.start()
+    try:
+        yield Backend(queue, lease_s=30, delay_s=120, advance=advance)
+    finally:
+        await queue.close()
+        await emulator.close()
+
+
+def msg(i: int) -> Message:
+    return Message(run_id="run_1", operation_id=f"op_{i}", recipient_id=f"r-{i}")
+
+
+class TestQueueContract:
+    async def test_publish_names_each_message_and_receive_hands_out_identifiers(
+            self, backend: Backend) -> None:
+        q = backend.queue
+        ids = await q.publish([msg(1), msg(2)])
+        assert len(ids) == 2 and len(set(ids)) == 2
+        got = await q.receive(10, backend.lease_s)
+        assert {d.message for d in got} == {msg(1), msg(2)}
+        assert {d.message_id for d in got} == set(ids)
+        assert all(d.receipt for d in got)
+
+    async def test_receive_takes_at_most_max_messages(self, backend: Backend) -> None:
+        q = backend.queue
+        await q.publish([msg(i) for i in range(5)])
+        first = await q.receive(2, backend.lease_s)
+        rest = await q.receive(10, backend.lease_s)
+        assert len(first) == 2 and len(rest) == 3
+        assert await q.receive(10, backend.lease_s) == []
+
+    async def test_a_held_message_comes_back_when_its_visibility_timeout_ends(
+            self, backend: Backend) -> None:
+        q = backend.queue
+        await q.publish([msg(1)])
+        [first] = await q.receive(1, backend.lease_s)
+        assert await q.receive(1, backend.lease_s) == []  # held: nobody else gets it
+        await backend.advance(backend.lease_s * 2 + 1)
+        [second] = await q.receive(1, backend.lease_s)
+        assert second.message == first.message
+        assert second.message_id == first.message_id  # the same message, delivered again
+        assert second.receipt != first.receipt  # a different delivery
+
+    async def test_ack_deletes_for_good(self, backend: Backend) -> None:
+        q = backend.queue
+        await q.publish([msg(1), msg(2)])
+        got = await q.receive(2, backend.lease_s)
+        acked = next(d for d in got if d.message == msg(1))
+        await q.ack([acked])
+        await backend.advance(backend.lease_s * 2 + 1)
+        again = await q.receive(10, backend.lease_s)
+        assert [d.message for d in again] == [msg(2)]
+
+    async def test_an_ack_of_a_gone_message_is_no_error(self, backend: Backend) -> None:
+        """A redelivery of a settled operation is acked on sight, and an ack can be sent
+        twice (its first answer was lost): neither may fail the consumer."""
+        q = backend.queue
+        await q.publish([msg(1)])
+        [d] = await q.receive(1, backend.lease_s)
+        await q.ack([d])
+        await q.ack([d])
+
+    async def test_a_delayed_message_is_hidden_until_due(self, backend: Backend) -> None:
+        q = backend.queue
+        await q.publish([msg(1)], delay_s=backend.delay_s)
+        assert await q.receive(1, backend.lease_s) == []
+        await backend.advance(backend.delay_s + 1)
+        [d] = await q.receive(1, backend.lease_s)
+        assert d.message == msg(1)
+
+    async def test_the_longest_delay_is_accepted(self, backend: Backend) -> None:
+        q = backend.queue
+        longest = min(q.capabilities.max_delay_s, 7 * 86400.0)
+        [mid] = await q.publish([msg(1)], delay_s=longest)
+        assert mid
+        assert await q.receive(1, backend.lease_s) == []
+
+    async def test_a_delay_past_the_longest_is_refused(self, backend: Backend) -> None:
+        q = backend.queue
+        if q.capabilities.max_delay_s == float("inf"):
+            pytest.skip("this transport has no longest delay")
+        with pytest.raises(QueueError):
+            await q.publish([msg(1)], delay_s=q.capabilities.max_delay_s + 1)
+
+    async def test_nack_hands_back_after_its_delay(self, backend: Backend) -> None:
+        q = backend.queue
+        await q.publish([msg(1)])
+        [d] = await q.receive(1, backend.lease_s)
+        if not q.capabilities.nack:
+            with pytest.raises(Unsupported):
+                await q.nack(d, 0.0)
+            return
+        await q.nack(d, backend.delay_s)
+        assert await q.receive(1, backend.lease_s) == []
+        await backend.advance(backend.delay_s + 1)
+        [again] = await q.receive(1, backend.lease_s)
+        assert again.message == msg(1)
+
+    async def test_extend_keeps_a_message_held_past_its_first_timeout(
+            self, backend: Backend) -> None:
+        q = backend.queue
+        await q.publish([msg(1)])
+        [d] = await q.receive(1, backend.lease_s)
+        if not q.capabilities.extend:
+            with pytest.raises(Unsupported):
+                await q.extend(d, backend.lease_s)
+            return
+        await backend.advance(backend.lease_s / 2)
+        assert await q.extend(d, backend.lease_s * 4) is True
+        await backend.advance(backend.lease_s)
+        assert await q.receive(1, backend.lease_s) == []  # still ours
+
+    async def test_stats_only_where_declared(self, backend: Backend) -> None:
+        q = backend.queue
+        await q.publish([msg(1), msg(2)])
+        await q.publish([msg(3)], delay_s=backend.delay_s)
+        if not q.capabilities.stats:
+            with pytest.raises(Unsupported):
+                await q.stats()
+            return
+        await q.receive(1, backend.lease_s)
+        s = await q.stats()
+        assert (s.depth, s.parked, s.leased) == (1, 1, 1)
+
+    async def test_capabilities_are_consistent(self, backend: Backend) -> None:
+        caps = backend.queue.capabilities
+        assert dataclasses.is_dataclass(caps)
+        # Acks inside the ledger's transaction only where the queue shares its database.
+        assert caps.transactional_ack is isinstance(backend.queue, SqliteQueue)
+        assert caps.max_delay_s >= 7 * 86400.0
+        assert backend.queue.healthy

@@ -1,0 +1,191 @@
+"""The consumer pool through a transport with none of the optional capabilities: the
+Infrai adapter against the emulator, the SQLite ledger keeping the bookkeeping, the
+partner simulator on loopback. Ack after commit as a second step, reposts instead of
+nack and extend, redeliveries recognised by the ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+
+from supervisor import metrics
+from supervisor.budget.local import LocalBudget
+from supervisor.config import Config, InfraiConfig, LimitsConfig, PartnerConfig, QueueConfig, Secret
+from supervisor.consumer import ConsumerPool
+from supervisor.ledger.base import Settlement
+from supervisor.ledger.database import Database
+from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.partner import PartnerClient
+from supervisor.queue.courier import Courier
+from supervisor.queue.infrai import InfraiQueue
+from supervisor.redrive import Redriver
+from supervisor.sandbox import SandboxConfig, run_sandbox
+from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from supervisor.states import OpState
+
+KEY = "ifr_consumer_key"
+N = 40
+
+
+@dataclass
+class Rig:
+    ledger: SqliteLedger
+    queue: InfraiQueue
+    emulator: Emulator
+    partner_url: str
+    run_id: str
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[Emulator]:
+    emu = await start_emulator(EmulatorConfig(api_key=KEY, seed=11))
+    try:
+        yield emu
+    finally:
+        await emu.close()
+
+
+@pytest.fixture
+async def rig(db: Database, emulator: Emulator) -> AsyncIterator[Rig]:
+    ledger = SqliteLedger(db, owns_queue=False)
+    queue = InfraiQueue(InfraiConfig(base_url=emulator.url, token=Secret(KEY), queue="ops",
+                                     backoff_initial_seconds=0.01, backoff_max_seconds=0.05))
+    await queue.start()
+    opened = await ledger.open_run("weekly@1", "weekly", None, {"kind": "inline"}, False)
+    assert opened.run is not None
+    await ledger.record_page(opened.run.id, [f"r-{i:06d}" for i in range(1, N + 1)], None, 0)
+    await Courier(ledger, queue).publish(await ledger.unpublished(1000))
+    try:
+        yield Rig(ledger, queue, emulator, "", opened.run.id)
+    finally:
+        await queue.close()
+
+
+def service_config(partner_url: str, lease_s: float = 30.0) -> Config:
+    return Config(queue=QueueConfig(lease_seconds=lease_s, poll_interval_seconds=0.05,
+                                    prefetch=2),
+                  partner=PartnerConfig(base_url=partner_url, backoff_initial_seconds=0.05,
+                                        backoff_max_seconds=0.2),
+                  limits=LimitsConfig(rate_per_second=200, concurrency=4))
+
+
+async def drain(rig: Rig, config: Config, budget: LocalBudget | None = None,
+                within_s: float = 30) -> None:
+    partner = PartnerClient(config.partner, config.limits.concurrency)
+    await partner.start()
+    done = asyncio.Event()
+    budget = budget or LocalBudget(config.limits, key="test")
+
+    def settled() -> None:
+        asyncio.get_running_loop().create_task(check())
+
+    async def check() -> None:
+        counts = await rig.ledger.run_counts(rig.run_id)
+        if sum(n for s, n in counts.items() if s in (OpState.DELETED,
+                                                      OpState.ALREADY_ABSENT)) == N:
+            done.set()
+
+    pool = ConsumerPool(config, rig.ledger, rig.queue, budget, partner, on_settled=settled)
+    task = asyncio.create_task(pool.run())
+    try:
+        async with asyncio.timeout(within_s):
+            await done.wait()
+    finally:
+        await pool.stop(2.0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await partner.close()
+
+
+async def test_a_run_drains_through_a_transport_without_nack_or_extend(rig: Rig) -> None:
+    async with run_sandbox(SandboxConfig(recipients=N, absent_share=0.1,
+                                         rate_per_second=0)) as sandbox:
+        await drain(rig, service_config(sandbox.url))
+        stats = sandbox.state.stats()
+    assert stats["duplicates"] == 0
+    counts = await rig.ledger.run_counts(rig.run_id)
+    assert stats["executions"] == N  # one DELETE executed per operation, no more
+    assert counts[OpState.DELETED] + counts.get(OpState.ALREADY_ABSENT, 0) == N
+    # Every message was acked after its outcome committed: nothing is left in Infrai.
+    q = rig.emulator.state.stats()["ops"]
+    assert q["visible"] + q["leased"] + q["delayed"] == 0, q
+    s = await rig.ledger.queue_stats()
+    assert (s.depth, s.parked, s.leased) == (0, 0, 0)
+
+
+async def test_a_pause_longer_than_the_visibility_timeout_reposts_and_never_doubles(
+        rig: Rig) -> None:
+    """Lease 2 s, a Retry-After pause of 4 s in force: every held message is published
+    again for when the pause ends and its copy acked; no two attempts of one operation,
+    nothing lost."""
+    reposts = metrics.QUEUE_REPOSTS._value.get()
+    async with run_sandbox(SandboxConfig(recipients=N, absent_share=0.0,
+                                         rate_per_second=0)) as sandbox:
+        config = service_config(sandbox.url, lease_s=2.0)
+        budget = LocalBudget(config.limits, key="test")
+        budget.pause(time.time() + 4.0, "test")
+        await drain(rig, config, budget)
+        stats = sandbox.state.stats()
+    assert stats["executions"] == N and stats["duplicates"] == 0
+    assert metrics.QUEUE_REPOSTS._value.get() > reposts
+    for _, op in await rig.ledger.list_operations(rig.run_id, None, 0, N):
+        attempts = await rig.ledger.attempts(op.id)
+        assert len(attempts) == 1, attempts  # one attempt each: no redelivery resent
+
+
+async def test_a_crash_between_commit_and_ack_redelivers_and_is_acked_without_a_call(
+        rig: Rig) -> None:
+    """The outcome committed, the ack never sent (the process died): the redelivered
+    message finds its operation settled and is acked without a partner call."""
+    [d] = await rig.queue.receive(1, 1)
+    await rig.ledger.note_received([d], 1)
+    op_id = d.message.operation_id
+    attempt = await rig.ledger.begin_attempt(op_id, "delete", owner=d.receipt, busy_s=30)
+    leftover = await rig.ledger.settle([Settlement(op_id, OpState.DELETED, d, attempt_id=attempt,
+                                                   status=204, outcome="deleted")])
+    assert [s.delivery for s in leftover] == [d]  # the transport must still ack it
+    rig.emulator.advance(2)  # ... which never happens; its visibility timeout ends
+    async with run_sandbox(SandboxConfig(recipients=N, absent_share=0.0,
+                                         rate_per_second=0)) as sandbox:
+        # Only the other N - 1 remain for the partner.
+        await drain_until(rig, service_config(sandbox.url), N)
+        assert sandbox.state.executions_of(d.message.recipient_id) == 0
+        assert sandbox.state.stats()["executions"] == N - 1
+    acks = [c for c in rig.emulator.calls if c["capability"] == "queue.ack"
+            and d.message_id in c["message_ids"]]
+    assert acks, "the redelivered message of a settled operation was never acked"
+
+
+async def drain_until(rig: Rig, config: Config, settled: int) -> None:
+    # The pre-settled one counts: the run is complete when all N are deleted.
+    await drain(rig, config)
+    counts = await rig.ledger.run_counts(rig.run_id)
+    assert counts == {OpState.DELETED: settled}, counts
+
+
+async def test_duplicate_deliveries_never_double_an_attempt(rig: Rig) -> None:
+    rig.emulator.set_faults(duplicate_share=0.5)
+    async with run_sandbox(SandboxConfig(recipients=N, absent_share=0.0,
+                                         rate_per_second=0)) as sandbox:
+        await drain(rig, service_config(sandbox.url))
+        stats = sandbox.state.stats()
+    assert stats["executions"] == N and stats["duplicates"] == 0
+    assert rig.emulator.state.stats()["ops"]["duplicates_injected"] > 0
+
+
+async def test_redrive_publishes_a_message_infrai_lost(rig: Rig) -> None:
+    # Infrai loses one message (retention, a purge by hand): only the ledger's age tells.
+    [d] = await rig.queue.receive(1, 30)
+    await rig.queue.ack([d])
+    while held := await rig.queue.receive(10, 30):  # a consumer holds every other one
+        await rig.ledger.note_received(held, 30)
+    redriver = Redriver(QueueConfig(redrive_grace_seconds=0.001), rig.ledger, rig.queue,
+                        rate=lambda: 1e6)
+    await asyncio.sleep(0.01)  # the grace is wall-clock age, not a synchronisation
+    assert await redriver.sweep() == 1
+    [again] = await rig.queue.receive(1, 30)
+    assert again.message == d.message and again.message_id != d.message_id

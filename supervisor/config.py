@@ -168,8 +168,10 @@ class QueueConfig:
     max_receives: int = 20
     receive_batch: int = 32
     # Messages received beyond the idle workers, so a transport's round trip never leaves
-    # a worker waiting (each one is held under its visibility timeout meanwhile).
-    prefetch: int = 0
+    # a worker waiting (each one is held under its visibility timeout meanwhile), refilled
+    # in batches once half are taken. Unset: none for the embedded queue, 10 for a
+    # managed one (its calls cost time and money).
+    prefetch: int | None = None
     poll_interval_seconds: float = 1.0
     # The ledger is truth: every interval, an unfinished operation untouched for the grace
     # period and without a message in the queue is published again.
@@ -180,7 +182,7 @@ class QueueConfig:
         out = _positive("queue", self, "lease_seconds", "max_receives", "receive_batch",
                         "poll_interval_seconds", "redrive_interval_seconds",
                         "redrive_grace_seconds")
-        if self.prefetch < 0:
+        if self.prefetch is not None and self.prefetch < 0:
             out.append(f"queue.prefetch must be >= 0, got {self.prefetch}")
         return out
 

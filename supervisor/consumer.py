@@ -28,6 +28,7 @@ EARLY_S = 1.0
 # Empty receives from a billed transport back off to this; a publish of ours wakes at once.
 IDLE_POLL_MAX_S = 30.0
 BLOCKED_RETRY_S = (5.0, 60.0)
+MANAGED_PREFETCH = 10
 
 
 _NOT_SENT = Answer(Verdict.TRANSIENT, None, "not sent: shutdown before the request left")
@@ -143,9 +144,14 @@ class ConsumerPool:
         q = self.config.queue
         poll_s = q.poll_interval_seconds
         blocked = 0
+        prefetch = q.prefetch if q.prefetch is not None else \
+            (0 if self.caps.transactional_ack else MANAGED_PREFETCH)
         while True:
-            wanted = self._idle + q.prefetch - self._inbox.qsize()
-            if wanted <= 0:
+            waiting = self._inbox.qsize()
+            wanted = self._idle + prefetch - waiting
+            # Refill once half the prefetched messages are taken: one call for several
+            # messages, not one call per worker that frees up.
+            if wanted <= 0 or waiting > prefetch // 2:
                 self._wanted.clear()
                 await self._wanted.wait()
                 continue

@@ -93,7 +93,8 @@ class TestQueueContract:
             self, backend: Backend) -> None:
         q = backend.queue
         ids = await q.publish([msg(1), msg(2)])
-        assert len(ids) == 2 and len(set(ids)) == 2
+        assert len(ids) == 2
+        assert len(set(ids)) == 2
         got = await q.receive(10, backend.lease_s)
         assert {d.message for d in got} == {msg(1), msg(2)}
         assert {d.message_id for d in got} == set(ids)
@@ -104,7 +105,8 @@ class TestQueueContract:
         await q.publish([msg(i) for i in range(5)])
         first = await q.receive(2, backend.lease_s)
         rest = await q.receive(10, backend.lease_s)
-        assert len(first) == 2 and len(rest) == 3
+        assert len(first) == 2
+        assert len(rest) == 3
         assert await q.receive(10, backend.lease_s) == []
 
     async def test_a_held_message_comes_back_when_its_visibility_timeout_ends(

@@ -89,7 +89,7 @@ async def test_ok_false_on_a_200_and_garbage_are_failures_retried(
         emulator: Emulator, queue: InfraiQueue) -> None:
     await queue.publish([msg(0)])  # queues exist
     emulator.set_faults(error_ok_false_200_share=1.0)
-    with pytest.raises(QueueError, match="not ok|INTERNAL"):
+    with pytest.raises(QueueError, match=r"not ok|INTERNAL"):
         await queue.publish([msg(1)])
     emulator.set_faults(error_ok_false_200_share=0.0, garbage_share=1.0)
     with pytest.raises(QueueError, match="envelope"):
@@ -132,7 +132,7 @@ async def test_429_waits_out_its_retry_after(emulator: Emulator, queue: InfraiQu
     assert (limited["status"], ok["status"]) == (429, 200)
 
 
-@pytest.mark.parametrize("fault,code", [("unauthorized", "UNAUTHORIZED"),
+@pytest.mark.parametrize(("fault", "code"), [("unauthorized", "UNAUTHORIZED"),
                                         ("credit_exhausted", "INSUFFICIENT_CREDIT")])
 async def test_a_refusal_blocks_until_it_clears(emulator: Emulator, queue: InfraiQueue,
                                                 fault: str, code: str) -> None:

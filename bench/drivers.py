@@ -21,6 +21,7 @@ changes) are timed from the same instant.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from typing import Any
 import aiohttp
 from paths import BENCH, CELERY_POOL, PY, REDIS_MARKER, REDIS_URL, log_path
 from processes import (
+    Emulator,
     Partner,
     Service,
     cancel,
@@ -42,6 +44,7 @@ from processes import (
     drive_events,
     dump_toml,
     free_port,
+    infrai_emulator,
     sandbox,
     scrape_metrics,
     service_config,
@@ -158,7 +161,18 @@ async def run_service(sc: Scenario, overrides: dict[str, dict[str, Any]]) -> lis
     log.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-service-") as tmp_name:
         tmp = Path(tmp_name)
-        async with aiohttp.ClientSession() as http, sandbox(sc, http, "service") as partner:
+        async with contextlib.AsyncExitStack() as stack:
+            http = await stack.enter_async_context(aiohttp.ClientSession())
+            partner = await stack.enter_async_context(sandbox(sc, http, "service"))
+            emulator: Emulator | None = None
+            env = {"CUSTOMER_API_TOKEN": partner.token}
+            if sc.queue == "infrai":
+                emulator = await stack.enter_async_context(infrai_emulator(sc, http))
+                env["INFRAI_API_KEY"] = emulator.key
+                overrides = {**overrides, "queue": {**overrides.get("queue", {}),
+                                                    "backend": "infrai"},
+                             "infrai": {**overrides.get("infrai", {}),
+                                        "base_url": emulator.url}}
             port = free_port()
             source = tmp / "candidates.jsonl" if sc.ticks > 1 else None
             doc = service_config(sc, tmp / "var", port, partner.url, overrides, source)
@@ -166,8 +180,7 @@ async def run_service(sc: Scenario, overrides: dict[str, dict[str, Any]]) -> lis
                 row.extra["limits"] = doc["limits"]
             cfg = tmp / "bench.toml"
             cfg.write_text(dump_toml(doc))
-            service = Service(http, cfg, port, tmp, log,
-                              clean_env(CUSTOMER_API_TOKEN=partner.token))
+            service = Service(http, cfg, port, tmp, log, clean_env(**env))
             ticks: list[dict[str, Any]] = []
             code: int | None = 0
             stopped = ""  # why the ticks after the last measured one were not run
@@ -207,6 +220,14 @@ async def run_service(sc: Scenario, overrides: dict[str, dict[str, Any]]) -> lis
                 _add_cpu(final, cpu_s(partner.pid))
             finally:
                 code = await service.stop()
+            if emulator is not None:
+                # Every Infrai call is billed: what one operation costs, all calls counted
+                # (publish, consume, ack, reposts, queue creation, empty polls).
+                calls = (await emulator.stats())["total_calls"]
+                final.extra["infrai_calls"] = calls
+                final.extra["infrai_calls_per_op"] = round(calls / max(1, sc.n * sc.ticks), 3)
+                final.notes.append(f"Infrai: {calls} calls, {calls / max(1, sc.n * sc.ticks):.2f}"
+                                   f" per operation, +{sc.infrai_latency_ms:g} ms each")
             for k, tick in enumerate(ticks):
                 measured, spec = rows.get(k), specs[k]
                 if measured is None or spec is None:

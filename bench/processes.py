@@ -154,6 +154,40 @@ async def sandbox(sc: Scenario, http: aiohttp.ClientSession,
         await stop_process(proc, grace_s=10)
 
 
+class Emulator:
+    """The Infrai emulator process: its URL, API key, and its call counts."""
+
+    def __init__(self, url: str, key: str, control: str, http: aiohttp.ClientSession) -> None:
+        self.url, self.key, self.http = url, key, http
+        self.headers = {"X-Emulator-Control": control}
+
+    async def stats(self) -> dict[str, Any]:
+        async with self.http.get(f"{self.url}/_emulator/stats", headers=self.headers) as resp:
+            return dict(await resp.json())
+
+
+@contextlib.asynccontextmanager
+async def infrai_emulator(sc: Scenario, http: aiohttp.ClientSession) -> AsyncIterator[Emulator]:
+    """A fresh Infrai emulator for one run, every call ``sc.infrai_latency_ms`` slower."""
+    key, control = "ifr_" + secrets.token_urlsafe(18), secrets.token_urlsafe(18)
+    log = log_path(sc.name, sc.cell.name, "infrai")
+    with log.open("wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            PY, "-m", "supervisor.sandbox.infrai", "--port", "0", "--key-env", "EMU_KEY",
+            "--control-key-env", "EMU_CONTROL", "--latency-ms", str(sc.infrai_latency_ms),
+            stdout=asyncio.subprocess.PIPE, stderr=err,
+            env=clean_env(EMU_KEY=key, EMU_CONTROL=control), cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        if not line:
+            await proc.wait()
+            raise RuntimeError(f"the Infrai emulator exited {proc.returncode}; see {log}")
+        yield Emulator(json.loads(line)["url"], key, control, http)
+    finally:
+        await stop_process(proc, grace_s=10)
+
+
 async def drive_events(sc: Scenario, partner: Partner, t0: float,
                        applied: list[tuple[float, dict[str, float]]]) -> None:
     """Apply the scenario's partner events on time, relative to the tick at ``t0``."""

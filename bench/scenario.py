@@ -98,6 +98,10 @@ class Scenario:
     max_peer_budget_s: float | None = None  # a tighter cap for the peers' runs
     # Service settings this scenario is run with (section, key, value), before --set.
     service_set: tuple[tuple[str, str, Any], ...] = ()
+    # "infrai": the service's queue is the Infrai emulator (a process of its own), with
+    # ``infrai_latency_ms`` added to every call; the service alone runs it.
+    queue: str = "sqlite"
+    infrai_latency_ms: float = 20.0
 
     def on(self, cell: Cell) -> Scenario:
         return replace(self, cell=cell, tick_rows=tuple(t.on(cell) for t in self.tick_rows))

@@ -104,7 +104,11 @@ def own_partner_scenarios() -> tuple[Scenario, ...]:
         # At its best against a partner that does not limit: a bucket that never makes
         # anyone wait and 2,000-candidate pages.
         service_set=(("limits", "burst", 1000.0), ("source", "page_size", 2000)))
-    return (minute_window, headers, capacity)
+    # The known-limit case with Infrai as the queue, pulled, 20 ms added to every call.
+    infrai_known = Scenario(
+        "infrai-known-limit", "known limit, Infrai queue (+20 ms a call)", n=1500,
+        partner_rate=50, ceiling=50, target=Target(max_ratio=1.03), queue="infrai")
+    return (minute_window, headers, capacity, infrai_known)
 
 
 def full_only_scenarios() -> tuple[Scenario, ...]:
@@ -117,7 +121,10 @@ def full_only_scenarios() -> tuple[Scenario, ...]:
         "article", "the article's case", target=Target(max_ratio=1.02),
         n=18_400, partner_rate=20, ceiling=20,
         service_budget=(1.2, 60.0), peer_budget=(1.25, 30.0), max_budget_s=2400.0)
-    return (minute_long, article)
+    infrai_article = replace(article, name="infrai-article",
+                             title="the article's case, Infrai queue (+20 ms a call)",
+                             target=Target(max_ratio=1.03), queue="infrai")
+    return (minute_long, article, infrai_article)
 
 
 def quick(sc: Scenario) -> Scenario:

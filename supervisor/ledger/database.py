@@ -74,6 +74,7 @@ class Database:
                 added = True
         if added:
             await conn.execute(sql.BACKFILL_DUE)
+        await conn.execute(sql.ACTIVE_INDEX)
 
     async def _connect(self) -> None:
         self._writer = await aiosqlite.connect(self.path, isolation_level=None)

@@ -4,6 +4,8 @@ Every test drives real processes over loopback HTTP:
 
 * the partner simulator, ``python -m supervisor.sandbox`` (prints ``{"url", "pid"}`` once
   listening);
+* the Infrai queue emulator, ``python -m supervisor.sandbox.infrai`` (prints ``{"url",
+  "pid"}`` once listening), for services configured with ``queue.backend = "infrai"``;
 * the service, ``python -m supervisor serve --config <tmp toml>`` (logs a line with
   ``action=started`` on stderr once listening), restartable on the same data dir.
 
@@ -24,7 +26,9 @@ import socket
 import sqlite3
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +183,121 @@ class Sandbox:
         return list(doc)
 
 
+# -- the Infrai queue emulator --------------------------------------------------------
+
+INFRAI_QUEUE = "cleanup-e2e"
+# The adapter keys each publish "pub-<operation id>-<random>" (supervisor/queue/infrai.py):
+# the emulator's call log keeps no payloads, so this key is how a message is tied to its
+# operation from the emulator's side.
+_PUBLISH_KEY = re.compile(r"^pub-(?P<op>.+)-[0-9a-f]+$")
+
+
+@dataclass
+class InfraiMessages:
+    """The emulator's messages of one queue, rebuilt from its call log."""
+
+    operation_of: dict[str, str]  # message_id -> operation_id, every message published
+    acked: set[str]  # message_ids an ack call named (acked:false ones too)
+    deliveries: Counter[str]  # message_id -> times a consume handed it out
+    delivered_at: dict[str, list[float]]  # message_id -> each consume's emulator time
+    acked_at: dict[str, float]  # message_id -> the first ack's emulator time
+
+    @property
+    def held(self) -> dict[str, str]:
+        """message_id -> operation_id of every message still in the queue (visible,
+        delayed or leased): published and never acked."""
+        return {m: op for m, op in self.operation_of.items() if m not in self.acked}
+
+    def by_operation(self) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for m, op in self.held.items():
+            out.setdefault(op, set()).add(m)
+        return out
+
+    def publishes_of(self) -> Counter[str]:
+        return Counter(self.operation_of.values())
+
+
+class Infrai:
+    """One emulator process and a client for its ``/_emulator`` control surface."""
+
+    def __init__(self, url: str, proc: asyncio.subprocess.Process, key: str, control_key: str,
+                 http: aiohttp.ClientSession, args: tuple[str, ...],
+                 queue: str = INFRAI_QUEUE) -> None:
+        self.url = url
+        self.proc = proc
+        self.key = key
+        self.args = args
+        self.queue = queue
+        self._control = {"X-Emulator-Control": control_key}
+        self._http = http
+        self._log: list[dict[str, Any]] = []
+
+    def overrides(self, **infrai: Any) -> Sections:
+        """The service configuration that consumes from this emulator: quick client
+        retries (a burst must delay a call, not fail it for long) unless overridden."""
+        return {"queue": {"backend": "infrai"},
+                "infrai": {"base_url": self.url, "queue": self.queue,
+                           "backoff_initial_seconds": 0.05, "backoff_max_seconds": 0.5,
+                           "request_timeout_seconds": 5.0, **infrai}}
+
+    async def _get(self, path: str, **params: Any) -> Any:
+        async with self._http.get(f"{self.url}{path}", params=params,
+                                  headers=self._control) as r:
+            doc = await _json(r)
+            assert r.status == 200, doc
+            return doc
+
+    async def control(self, **faults: Any) -> dict[str, Any]:
+        """POST /_emulator/faults: change fault fields at runtime; returns them all."""
+        async with self._http.post(f"{self.url}/_emulator/faults", json=faults,
+                                   headers=self._control) as r:
+            doc = await _json(r)
+            assert r.status == 200, doc
+            return dict(doc)
+
+    async def stats(self) -> dict[str, Any]:
+        return dict(await self._get("/_emulator/stats"))
+
+    async def queue_stats(self) -> dict[str, int]:
+        """The counters of this service's queue (zeros before it exists)."""
+        return dict((await self.stats())["queues"].get(self.queue, {}))
+
+    async def log(self) -> list[dict[str, Any]]:
+        """Every /v1 call so far, in order (fetched incrementally)."""
+        since = self._log[-1]["seq"] if self._log else 0
+        self._log += await self._get("/_emulator/log", since=since)
+        assert len(self._log) == self._log[-1]["seq"] if self._log else True, \
+            "the emulator's call log dropped entries (log_limit)"
+        return self._log
+
+    async def messages(self) -> InfraiMessages:
+        """What the queue holds, by operation, from the publish, consume and ack entries
+        of the call log (the emulator lists no messages by payload)."""
+        operation_of: dict[str, str] = {}
+        acked: set[str] = set()
+        deliveries: Counter[str] = Counter()
+        delivered_at: dict[str, list[float]] = {}
+        acked_at: dict[str, float] = {}
+        for e in await self.log():
+            if not e["ok"] or e["queue"] != self.queue:
+                continue
+            if e["capability"] == "queue.publish":
+                m = _PUBLISH_KEY.match(e["idempotency_key"] or "")
+                assert m is not None, f"publish not keyed by its operation: {e}"
+                [message_id] = e["message_ids"]
+                operation_of[message_id] = m["op"]
+            elif e["capability"] == "queue.consume":
+                for message_id in e["message_ids"]:
+                    deliveries[message_id] += 1
+                    delivered_at.setdefault(message_id, []).append(e["t"])
+            elif e["capability"] == "queue.ack":
+                [message_id] = e["message_ids"]
+                acked.add(message_id)
+                acked_at.setdefault(message_id, e["t"])
+        return InfraiMessages(operation_of, acked, deliveries, delivered_at, acked_at)
+
+
 # -- the service ---------------------------------------------------------------------
 
 
@@ -258,9 +377,16 @@ class Service:
     """A service configuration on one data dir; :meth:`start` runs it as a process, again
     and again (after a kill the next process resumes from the same ledger)."""
 
-    def __init__(self, e2e: E2E, config: dict[str, dict[str, Any]], name: str) -> None:
+    def __init__(self, e2e: E2E, config: dict[str, dict[str, Any]], name: str,
+                 infrai: Infrai | None = None) -> None:
         self.e2e = e2e
         self.config = config
+        # The emulator its queue lives in (queue.backend = "infrai"), and the project key
+        # in its environment; None for the embedded queue.
+        self.infrai = infrai
+        self.env = dict(e2e.env)
+        if infrai is not None:
+            self.env["INFRAI_API_KEY"] = infrai.key
         self.port = int(config["service"]["listen"].rpartition(":")[2])
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = Path(config["service"]["data_dir"])
@@ -277,7 +403,7 @@ class Service:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "supervisor", "serve", "--config", str(self.config_path),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, env=self.e2e.env)
+            stderr=asyncio.subprocess.PIPE, env=self.env)
         self.e2e.processes.add(proc)
         sp = ServiceProcess(proc)
         self.history.append(sp)
@@ -423,8 +549,30 @@ class E2E:
                                  f"before it listened; args {argv}")
         return Sandbox(orjson.loads(line)["url"], proc, self.partner_token, self.http, argv)
 
+    async def infrai(self, *args: str | float) -> Infrai:
+        """Start the Infrai emulator (``args`` are its flags, one per EmulatorConfig
+        field) with a project key and a control key of its own."""
+        argv = tuple(str(a) for a in args)
+        key = "ifr_" + secrets.token_urlsafe(24)
+        control_key = secrets.token_urlsafe(24)
+        env = {**self.env, "E2E_INFRAI_KEY": key, "E2E_INFRAI_CONTROL_KEY": control_key}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "supervisor.sandbox.infrai", "--port", "0",
+            "--key-env", "E2E_INFRAI_KEY", "--control-key-env", "E2E_INFRAI_CONTROL_KEY", *argv,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=env)
+        self.processes.add(proc)
+        assert proc.stdout is not None
+        async with asyncio.timeout(STARTUP_TIMEOUT_S):
+            line = await proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the Infrai emulator exited ({await proc.wait()}) before it "
+                                 f"listened; args {argv}")
+        return Infrai(orjson.loads(line)["url"], proc, key, control_key, self.http, argv)
+
     def service(self, sandbox: Sandbox | None, overrides: Sections | None = None,
-                name: str = "service") -> Service:
+                name: str = "service", infrai: Infrai | None = None) -> Service:
+        """A service on ``sandbox``; with ``infrai`` its queue is that emulator's
+        (``queue.backend = "infrai"``, the project key in its environment)."""
         partner_url = sandbox.url if sandbox else "http://127.0.0.1:9"
         base: Sections = {
             "service": {"data_dir": str(self.tmp_path / f"{name}-data"),
@@ -439,7 +587,9 @@ class E2E:
                         "request_timeout_seconds": 5.0},
             "limits": {"rate_per_second": 300.0, "concurrency": 8},
         }
-        svc = Service(self, merge(base, overrides or {}), name)
+        if infrai is not None:
+            base = merge(base, infrai.overrides())
+        svc = Service(self, merge(base, overrides or {}), name, infrai)
         self.services.append(svc)
         return svc
 

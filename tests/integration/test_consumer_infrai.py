@@ -16,7 +16,7 @@ from supervisor import metrics
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config, InfraiConfig, LimitsConfig, PartnerConfig, QueueConfig, Secret
 from supervisor.consumer import ConsumerPool
-from supervisor.ledger.base import Settlement
+from supervisor.ledger.base import Disposition, Settlement
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.partner import PartnerClient
@@ -192,3 +192,49 @@ async def test_redrive_publishes_a_message_infrai_lost(rig: Rig) -> None:
     [again] = await rig.queue.receive(1, 30)
     assert again.message == d.message
     assert again.message_id != d.message_id
+
+
+async def test_poison_is_found_from_the_ledgers_own_receive_count(rig: Rig) -> None:
+    """Infrai reports no receive count: a message delivered again and again without an
+    outcome (its holder dies each time) is failed from the ledger's count, unsent."""
+    [d] = await rig.queue.receive(1, 1)
+    for _ in range(3):
+        await rig.ledger.note_received([d], 1)
+        rig.emulator.advance(2)
+        [d] = [x for x in await rig.queue.receive(10, 1) if x.message_id == d.message_id] or [d]
+    async with run_sandbox(SandboxConfig(recipients=N, absent_share=0.0,
+                                         rate_per_second=0)) as sandbox:
+        config = service_config(sandbox.url)
+        config = Config(queue=QueueConfig(lease_seconds=30, poll_interval_seconds=0.05,
+                                          max_receives=3), partner=config.partner,
+                        limits=config.limits)
+        with pytest.raises(TimeoutError):  # N - 1 deleted, one failed: never all deleted
+            await drain(rig, config, within_s=5)
+        assert sandbox.state.executions_of(d.message.recipient_id) == 0
+    op = await rig.ledger.get_operation(d.message.operation_id)
+    assert op is not None
+    assert op.state is OpState.FAILED
+    assert "received 4 times without an outcome" in (op.reason or "")
+
+
+async def test_queue_gauges_come_from_the_ledger_when_the_transport_has_none(rig: Rig) -> None:
+    """No stats from Infrai: depth is what is claimable now, parked what waits for a
+    delayed retry, leased what a consumer holds; the age is the oldest claimable one's."""
+    assert not rig.queue.capabilities.stats
+    held = await rig.queue.receive(2, 30)
+    await rig.ledger.note_received(held, 30)
+    s = await rig.ledger.queue_stats()
+    assert (s.depth, s.parked, s.leased) == (N - 2, 0, 2)
+    assert s.oldest_claimable_age_s >= 0
+    # One of the held ones waits for a retry in a minute: parked, not claimable, not aged.
+    d = held[0]
+    attempt = await rig.ledger.begin_attempt(d.message.operation_id, "delete",
+                                             owner=d.receipt, busy_s=30)
+    [left] = await rig.ledger.settle([Settlement(
+        d.message.operation_id, OpState.RETRY_WAIT, d, Disposition.RETRY, delay_s=60,
+        attempt_id=attempt, status=503, outcome="transient")])
+    await Courier(rig.ledger, rig.queue).follow_up([left])
+    s = await rig.ledger.queue_stats()
+    assert (s.depth, s.parked, s.leased) == (N - 2, 1, 1)
+    q = rig.emulator.state.stats()["ops"]
+    assert q["delayed"] == 1  # the repost, published with delay_seconds

@@ -384,3 +384,37 @@ def test_quotas_load_as_typed_entries_and_from_the_environment(tmp_path: Path) -
         ("day", 50000, 86400.0), ("3600s", 3000, 3600.0)]
     env = {**TOKEN_ENV, "CLEANUP__LIMITS__QUOTA": "[{limit = 5, period_seconds = 2}]"}
     assert config.load(None, environ=env).limits.quotas[0].limit == 5
+
+
+# -- the Infrai queue ------------------------------------------------------------------
+
+
+def test_infrai_needs_its_project_key(tmp_path: Path) -> None:
+    path = write(tmp_path, '[queue]\nbackend = "infrai"\n')
+    problems = problems_of(path, TOKEN_ENV)
+    assert problems == ["infrai.token_env: $INFRAI_API_KEY (or $INFRAI_API_KEY_FILE) is not "
+                        "set; queue.backend = 'infrai' needs the project key"]
+    # The embedded queue does not need one.
+    assert config.load(None, environ=TOKEN_ENV).infrai.token is None
+
+
+def test_infrai_key_from_a_file_and_defaults(tmp_path: Path) -> None:
+    key = tmp_path / "infrai_key"
+    key.write_text("ifr_secret\n", encoding="utf-8")
+    path = write(tmp_path, '[queue]\nbackend = "infrai"\n[infrai]\nqueue = "weekly-ops"\n')
+    cfg = config.load(path, environ={**TOKEN_ENV, "INFRAI_API_KEY_FILE": str(key)})
+    assert cfg.infrai.token == Secret("ifr_secret")
+    assert "ifr_secret" not in repr(cfg)
+    assert cfg.infrai.dlq == "weekly-ops-dlq"  # unset: <queue>-dlq
+    assert not cfg.infrai.nack_path and not cfg.infrai.extend_path  # none documented
+
+
+def test_infrai_keys_are_checked(tmp_path: Path) -> None:
+    path = write(tmp_path, '[queue]\nbackend = "kafka"\n[infrai]\nbase_url = "ftp://x"\n'
+                 'nack_path = "v1/queue/nack"\nmax_batch = 0\nredrive_path = "/v1/redrive"\n')
+    problems = problems_of(path, {**TOKEN_ENV, "INFRAI_API_KEY": "k"})
+    assert "queue.backend must be one of 'sqlite', 'infrai', got 'kafka'" in problems
+    assert "infrai.base_url must be an http(s) URL, got 'ftp://x'" in problems
+    assert "infrai.nack_path must start with '/', got 'v1/queue/nack'" in problems
+    assert "infrai.max_batch must be > 0, got 0" in problems
+    assert "infrai.redrive_path must contain {queue}, got '/v1/redrive'" in problems

@@ -218,8 +218,6 @@ class InfraiConfig:
     backoff_initial_seconds: float = 0.2
     backoff_max_seconds: float = 10.0
     max_retry_after_seconds: float = 300.0
-    # A refused key (401/403) or no credit (402) stops consumption; try again this often.
-    blocked_retry_seconds: float = 15.0
 
     @property
     def dlq(self) -> str:
@@ -228,8 +226,7 @@ class InfraiConfig:
     def problems(self) -> list[str]:
         out = _positive("infrai", self, "max_retries", "max_batch", "publish_concurrency",
                         "request_timeout_seconds", "max_attempts", "backoff_initial_seconds",
-                        "backoff_max_seconds", "max_retry_after_seconds",
-                        "blocked_retry_seconds")
+                        "backoff_max_seconds", "max_retry_after_seconds")
         if urlsplit(self.base_url).scheme not in ("http", "https"):
             out.append(f"infrai.base_url must be an http(s) URL, got {self.base_url!r}")
         if not self.queue:

@@ -365,8 +365,9 @@ class ConsumerPool:
                 grant = await self.budget.acquire()
             except asyncio.CancelledError:
                 # Shutdown before the request left: the attempt was written, never sent.
+                # The worker hands the message back as it unwinds.
                 await self._settle(delivery, op, OpState.RETRY_WAIT, None, attempt_id,
-                                   _NOT_SENT, disposition=Disposition.RETRY, refund=True)
+                                   _NOT_SENT, disposition=Disposition.KEEP, refund=True)
                 raise
             # From here on a request is in the air: a shutdown lets it finish within the
             # grace instead of leaving an open attempt.

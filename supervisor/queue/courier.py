@@ -11,6 +11,7 @@ will be redelivered, or none, and redrive publishes one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ from supervisor.ledger.base import Disposition, Ledger, Published, Settlement
 from supervisor.queue.base import Delivery, Message, Queue
 
 log = logging.getLogger(__name__)
+
+HAND_BACK_S = 3.0
 
 
 class Courier:
@@ -79,14 +82,14 @@ class Courier:
             self._failed("deferral", delivery, exc)
 
     async def hand_back(self, delivery: Delivery) -> None:
-        """Give a message back unworked: at once where the transport can, otherwise it
-        becomes visible again when its visibility timeout ends."""
-        if not self.capabilities.nack:
-            return
+        """Give a message back unworked, visible at once: a nack, or a copy published
+        and this one acked. Bounded: a transport that does not answer leaves the message
+        to its visibility timeout rather than hold up a shutdown."""
         try:
-            await self.queue.nack(delivery, 0.0)
-        except QueueError as exc:
-            self._failed("hand-back", delivery, exc)
+            async with asyncio.timeout(HAND_BACK_S):
+                await self.retry_later(delivery, 0.0)
+        except (QueueError, TimeoutError) as exc:
+            self._failed("hand-back", delivery, QueueError(str(exc) or "timed out"))
 
     async def drop(self, delivery: Delivery, reason: str) -> None:
         """Ack a delivery that carries no work (superseded, settled, not ours)."""

@@ -12,7 +12,6 @@ sweep is timed on the service's own SqliteLedger, and its median compared.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import statistics

@@ -406,7 +406,8 @@ def test_infrai_key_from_a_file_and_defaults(tmp_path: Path) -> None:
     assert cfg.infrai.token == Secret("ifr_secret")
     assert "ifr_secret" not in repr(cfg)
     assert cfg.infrai.dlq == "weekly-ops-dlq"  # unset: <queue>-dlq
-    assert not cfg.infrai.nack_path and not cfg.infrai.extend_path  # none documented
+    assert not cfg.infrai.nack_path
+    assert not cfg.infrai.extend_path
 
 
 def test_infrai_keys_are_checked(tmp_path: Path) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import math
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 # An ack that finds the message gone or re-leased did not fail us: a redelivery of a
 # settled operation is acked again on sight.
 _ACK_GONE = {"MESSAGE_NOT_FOUND", "LEASE_EXPIRED", "NOT_FOUND"}
+MAX_TRACKED_DUE = 100_000
 
 
 class InfraiQueue:
@@ -50,6 +53,13 @@ class InfraiQueue:
         self._created = False
         self._publishes = asyncio.Semaphore(config.publish_concurrency)
         self._wakeup = asyncio.Event()
+        # Publishes of ours, and how many the last receive had seen: one that lands while
+        # a receive is in the air must still cut the next wait short.
+        self._published = 0
+        self._seen = 0
+        # When delayed messages we published fall due (a heap): no empty-poll backoff may
+        # sleep past the next one.
+        self._due: list[float] = []
 
     @property
     def capabilities(self) -> Capabilities:
@@ -93,6 +103,10 @@ class InfraiQueue:
         bodies = [self._body(m, delay_s) for m in messages]
         await self.ensure_queues()
         ids = await asyncio.gather(*(self._publish_one(b) for b in bodies))
+        if delay_s > 0 and len(self._due) < MAX_TRACKED_DUE:
+            # Taken after the publish returned, so never before Infrai makes it visible.
+            heapq.heappush(self._due, time.time() + math.ceil(delay_s) + 0.1)
+        self._published += 1
         self._wakeup.set()
         return list(ids)
 
@@ -125,6 +139,7 @@ class InfraiQueue:
         return message_id
 
     async def receive(self, max_messages: int, lease_s: float) -> list[Delivery]:
+        self._seen = self._published
         await self.ensure_queues()
         data = await self.client.call("queue.consume", "/v1/queue/consume", {
             "queue": self.config.queue, "max_messages": min(max_messages, self.config.max_batch),
@@ -154,6 +169,13 @@ class InfraiQueue:
     async def wait(self, timeout_s: float) -> None:
         # No long poll is documented: a publish of our own wakes the consumer at once.
         self._wakeup.clear()
+        if self._published != self._seen:
+            return
+        now = time.time()
+        while self._due and self._due[0] <= now:
+            heapq.heappop(self._due)
+        if self._due:
+            timeout_s = min(timeout_s, self._due[0] - now)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._wakeup.wait()

@@ -202,6 +202,18 @@ class TestQueueContract:
         s = await q.stats()
         assert (s.depth, s.parked, s.leased) == (1, 1, 1)
 
+    async def test_a_publish_wakes_a_waiting_consumer(self, backend: Backend) -> None:
+        q = backend.queue
+        assert await q.receive(1, backend.lease_s) == []
+        waiter = asyncio.create_task(q.wait(30))
+        await q.publish([msg(1)])
+        await asyncio.wait_for(waiter, 5)  # well before its 30 s
+        # A publish between an empty receive and the wait after it is not lost either.
+        assert [d.message for d in await q.receive(1, backend.lease_s)] == [msg(1)]
+        assert await q.receive(1, backend.lease_s) == []
+        await q.publish([msg(2)])
+        await asyncio.wait_for(q.wait(30), 5)
+
     async def test_capabilities_are_consistent(self, backend: Backend) -> None:
         caps = backend.queue.capabilities
         assert dataclasses.is_dataclass(caps)

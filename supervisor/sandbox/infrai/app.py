@@ -56,6 +56,8 @@ class Runtime:
         self.log: deque[dict[str, Any]] = deque(maxlen=state.config.log_limit)
         self.calls: Counter[str] = Counter()
         self._seq = 0
+        # More route families (the cron surface, cron_routes.py), asked after the queue routes.
+        self.routes: list[Resolver] = []
 
     @property
     def config(self) -> EmulatorConfig:
@@ -177,6 +179,7 @@ class Outcome:
     queue: str | None
     message_ids: tuple[str, ...] = ()
     duplicate: bool = False
+    extra: tuple[tuple[str, object], ...] = ()  # more call-log fields, e.g. a new cron_id
 
 
 Act = Callable[[QueueState, Call], Outcome]
@@ -300,6 +303,7 @@ class Capability:
     method: str = "POST"
     # Consume is not replayed by key: a replay would hand out messages whose leases are gone.
     idempotent: bool = True
+    param_log: str = "queue"  # the call-log field the path parameter goes to
 
 
 CREATE = Capability("queue.create", "/v1/queue/create", act_create, (
@@ -314,6 +318,9 @@ ACK = Capability("queue.ack", "/v1/queue/ack", act_ack, ("queue", "message_id", 
 REDRIVE = Capability("queue.dlq.redrive", REDRIVE_PREFIX + "{queue}", act_redrive,
                      ("queue", "idempotency_key"))
 BUILTIN = {c.path: c for c in (CREATE, PUBLISH, CONSUME, ACK)}
+
+
+Resolver = Callable[[str, str], tuple[Capability | None, str | None]]  # (method, raw path)
 
 
 def capabilities(cfg: EmulatorConfig) -> list[Capability]:
@@ -430,9 +437,13 @@ def _serve(
                          "send Authorization: Bearer <project key>")
         return fail(error, {"WWW-Authenticate": "Bearer"} if status == 401 else None)
     cap, param = resolve(cfg, path)
+    for extra in rt.routes if cap is None else ():
+        cap, param = extra(request.method, path)
+        if cap is not None:
+            break
     if cap is None:
         return fail(ApiError(404, "NOT_FOUND", f"no route {request.method} {path}", f"see GET {DISCOVERY}"))
-    entry.update(route=cap.path, capability=cap.id, queue=param)
+    entry.update({"route": cap.path, "capability": cap.id, cap.param_log: param})
     if request.method != cap.method:
         wrong = ApiError(405, "METHOD_NOT_ALLOWED", f"{cap.path} takes {cap.method}")
         return fail(wrong, {"Allow": cap.method})
@@ -507,6 +518,7 @@ def _serve(
         state.idempotency.put(cap.id, replay_key, StoredCall(
             fingerprint, state.now(), 200, outcome.data, outcome.queue, outcome.message_ids))
     entry.update(status=200, ok=True, queue=outcome.queue, message_ids=list(outcome.message_ids))
+    entry.update(outcome.extra)
     if outcome.duplicate:
         entry["fault"] = "duplicate"
     response = envelope_response(rt, started, 200, outcome.data)
@@ -515,8 +527,6 @@ def _serve(
         entry.update(status=None, fault="reset_after")
         return _reset_connection(request)
     return response
-
-
 
 
 # -- discovery, errors, factory ----------------------------------------------------------
@@ -596,4 +606,8 @@ def create_app(config: EmulatorConfig, *, now: Callable[[], float] = time.time) 
     app = web.Application(middlewares=[envelope_errors], client_max_size=CLIENT_MAX_SIZE)
     app[RUNTIME_KEY] = Runtime(QueueState(config, now))
     app.router.add_route("*", "/v1/{tail:.*}", handle_v1)
+    # Imported here: the cron surface builds on this module's dispatcher.
+    from supervisor.sandbox.infrai.cron_routes import install_cron
+
+    install_cron(app)
     return app

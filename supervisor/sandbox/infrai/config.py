@@ -20,8 +20,8 @@ in the field's ``doc``, which the CLI also prints as ``--help``. Unknown -> fiel
 17 rate limits: rate_limit_next, rate_limit_share, retry_after, retry_after_format
 18 idempotency: dedup_window_seconds, key_reuse, idempotency_precedence, require_create_keys
 and the reading of max_retries ("nacks a message may take before it is moved"): dlq_threshold.
-
-Push subscriptions and cron (unknowns 11-15) are outside this emulator, which models queues.
+Cron (unknowns 12-15) has the ``cron_*`` fields; cron.py lists what is decided without one.
+Push subscriptions (unknown 11) are outside this emulator.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ SizeAccounting = Literal["payload", "request"]
 FifoDedupKey = Literal["either", "deduplication_id", "idempotency_key"]
 PriorityOrder = Literal["higher_first", "lower_first"]
 TimestampFormat = Literal["iso", "epoch"]
+CronExtendedSyntax = Literal["reject", "accept", "store"]
+CronCreateExisting = Literal["new", "conflict", "existing", "replace"]
 
 __all__ = ["FAULT_FIELDS", "RETRY_AFTER_FORMATS", "EmulatorConfig", "FieldSpec", "field_specs"]
 
@@ -60,6 +62,20 @@ BUILTIN_PATHS = frozenset(
         "/v1/discovery",
     }
 )
+# The cron routes the emulator always serves (cron_routes.py): literal paths, and prefixes
+# followed by a job id. Configurable routes may shadow none of them.
+CRON_PATHS = frozenset(
+    {
+        "/v1/cron/create",
+        "/v1/cron/list",
+        "/v1/scheduling/cron",
+        "/v1/scheduling/cron/create",
+        "/v1/scheduling/cron/list",
+    }
+)
+CRON_ID_PREFIXES = ("/v1/cron/pause/", "/v1/cron/trigger/", "/v1/cron/delete/", "/v1/cron/runs/list/")
+# Infrai's documented ceiling of one run (section 4.4, three 3P articles).
+CRON_RUN_CEILING = 900.0
 
 
 def _doc(doc: str, *, lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
@@ -319,6 +335,57 @@ class EmulatorConfig:
         ),
     )
 
+    # -- cron / scheduling (section 4, unknowns 12-15) ---------------------------------------
+    cron_allow_private_targets: bool = field(default=False, metadata=_doc(
+        "accept http:// and private, loopback or single-label hosts as cron targets; off because "
+        "Infrai only calls public https URLs (3P), which catches an adapter aiming a job at "
+        "localhost. Tests and the demo turn it on for http://127.0.0.1"))
+    cron_poll_seconds: float = field(default=0.05, metadata=_doc(
+        "real seconds between scheduler steps; moving the clock (Emulator.advance, POST "
+        "/_emulator/clock) and POST /_emulator/cron/tick step at once too. 0 = only those", lo=0))
+    cron_timeout_seconds: float = field(default=CRON_RUN_CEILING, metadata=_doc(
+        "ceiling of one attempt in real seconds (the network is not on the emulator clock): 900, "
+        "Infrai's run ceiling (3P); smaller in tests. A job's timeout_seconds is clamped to it "
+        "(and refused above 900)", lo=0.001, hi=CRON_RUN_CEILING))
+    cron_default_timeout_seconds: float = field(default=300.0, metadata=_doc(
+        "timeout_seconds of a job created without one: the older SDK's 300", lo=0.001, hi=CRON_RUN_CEILING))
+    cron_default_retries: int = field(default=3, metadata=_doc(
+        "retries of a job created without retries/retry: the SDK's 3", lo=0))
+    cron_max_retries: int = field(default=10, metadata=_doc(
+        "largest retries a job may ask for (the real limit is UNKNOWN)", lo=0))
+    cron_retry_backoff_seconds: float = field(default=0.0, metadata=_doc(
+        "emulator-clock seconds from a failed attempt to its retry (unknown 12); 0 = at once", lo=0))
+    cron_jitter_seconds: float = field(default=0.0, metadata=_doc(
+        "slots fire up to this many emulator seconds late (seeded; Infrai jitters by seconds, 3P); "
+        "0 for deterministic tests. scheduled_for is the slot either way", lo=0))
+    cron_extended_syntax: CronExtendedSyntax = field(default="reject", metadata=_doc(
+        "schedules beyond 5 plain fields: L, W, #, ?, a seconds or year field, @macros (unknown "
+        "14). 'reject' = 400 VALIDATION_ERROR, as the docs show only 5 fields and an article warns "
+        "against L (fail at create, not by never firing); 'accept' = evaluated by croniter (6/7 "
+        "fields seconds first, as Quartz); 'store' = kept, never fires"))
+    cron_resume_route: str | None = field(default="/v1/cron/resume/{id}", metadata=_doc(
+        "POST route of cron.resume (unknown 13); '{id}' = the job id, else read from the body's "
+        "cron_id/id/job_id. The default mirrors /v1/cron/pause/{id}; None = no resume (404)"))
+    cron_update_route: str | None = field(default=None, metadata=_doc(
+        "POST route of an ASSUMED cron.update (unknown 13), e.g. /v1/cron/update/{id}: the create "
+        "fields sent replace the job's, next_run_at from now; None = none (404)"))
+    cron_get_route: str | None = field(default=None, metadata=_doc(
+        "GET route of an ASSUMED cron.get (unknown 13), e.g. /v1/cron/get/{id}; None = none (404)"))
+    cron_create_existing_name: CronCreateExisting = field(default="new", metadata=_doc(
+        "cron.create with an existing job's name (UNKNOWN): 'new' = another job, as the id is the "
+        "identity and dedup is by idempotency_key (an apply that re-creates blindly shows up as "
+        "duplicates); 'conflict' = 409 CRON_EXISTS; 'existing' = the old job as is; 'replace' = "
+        "the old job, id kept, given the new fields"))
+    cron_output_limit_bytes: int = field(default=4096, metadata=_doc(
+        "bytes of a target's answer kept as a run's output: Infrai's 4 KB (3P)", lo=0))
+    cron_runs_kept: int = field(default=1000, metadata=_doc(
+        "run records kept per job, oldest dropped first (run retention is unknown 13)", lo=1))
+    cron_signature_header: str | None = field(default=None, metadata=_doc(
+        "header with hex HMAC-SHA256(job secret, raw body) on the POSTs of jobs created with a "
+        "secret (unknown 12), e.g. X-Infrai-Signature; None = unsigned, as no source signs them"))
+    cron_signature_prefix: str = field(default="", metadata=_doc(
+        "prefix of the signature value: '' or 'sha256=' (inconsistency #16)"))
+
     # -- observability -------------------------------------------------------------------
     log_limit: int = field(default=100_000, metadata=_doc("most recent /v1 calls kept by the call log", lo=1))
 
@@ -345,6 +412,36 @@ class EmulatorConfig:
                 raise ValueError(f"route {route!r} shadows a built-in route")
         if len(routes) == 2 and routes[0] == routes[1]:
             raise ValueError("nack_route and extend_route must differ")
+        for route in routes:
+            if route in CRON_PATHS or route.startswith(CRON_ID_PREFIXES):
+                raise ValueError(f"route {route!r} shadows a cron route")
+        self._check_cron()
+
+    def _check_cron(self) -> None:
+        if self.cron_default_retries > self.cron_max_retries:
+            raise ValueError("cron_default_retries exceeds cron_max_retries")
+        if self.cron_signature_header is not None and not self.cron_signature_header.strip():
+            raise ValueError("cron_signature_header must be a header name when set")
+        queue_routes = {self.nack_route, self.extend_route}
+        cron_routes = [r for r in (self.cron_resume_route, self.cron_update_route, self.cron_get_route)
+                       if r is not None]
+        for route in cron_routes:
+            head, _, tail = route.partition("{id}")
+            if (
+                not route.startswith("/v1/")
+                or route.count("{id}") > 1
+                or ("{id}" in route and not head.endswith("/"))
+                or (tail and not tail.startswith("/"))
+                or "{" in head + tail
+                or "}" in head + tail
+            ):
+                raise ValueError(f"cron route {route!r} must be a path under /v1/ with at most one "
+                                 "'{id}' segment")
+            shadowed = (*CRON_ID_PREFIXES, "/v1/queue/dlq/redrive/", "/v1/discovery")
+            if route in BUILTIN_PATHS | CRON_PATHS | queue_routes or head.startswith(shadowed):
+                raise ValueError(f"cron route {route!r} shadows a built-in route")
+        if len(set(cron_routes)) != len(cron_routes):
+            raise ValueError("cron_resume_route, cron_update_route and cron_get_route must differ")
 
     @property
     def auth_failure_status(self) -> int:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from supervisor.sandbox.infrai.app import JSON, RUNTIME_KEY, Runtime, create_app
 from supervisor.sandbox.infrai.config import EmulatorConfig
+from supervisor.sandbox.infrai.cron_routes import CRON_KEY, CronService, get_cron, post_cron_tick
 from supervisor.sandbox.infrai.state import QueueState
 
 CONTROL_HEADER = "X-Emulator-Control"
@@ -86,6 +87,7 @@ async def post_clock(request: web.Request, rt: Runtime) -> web.Response:
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise ValueError("advance_seconds must be a number")
     now = rt.state.advance(float(seconds))
+    request.app[CRON_KEY].tick()  # cron slots the jump made due fire now, not at the next poll
     return _plain({"now": now, "offset": rt.state.offset})
 
 
@@ -119,6 +121,8 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_get("/_emulator/stats", _guarded(get_stats), allow_head=False)
     app.router.add_post("/_emulator/clock", _guarded(post_clock))
     app.router.add_post("/_emulator/reset_log", _guarded(post_reset_log))
+    app.router.add_get("/_emulator/cron", _guarded(get_cron), allow_head=False)
+    app.router.add_post("/_emulator/cron/tick", _guarded(post_cron_tick))
     app.router.add_route("*", "/_emulator/{tail:.*}", _guarded(control_not_found))
 
 
@@ -157,8 +161,15 @@ class Emulator:
         return self.runtime.set_faults(changes)
 
     def advance(self, seconds: float) -> float:
-        """Move the emulator's clock forward; returns the new emulator time."""
-        return self.state.advance(seconds)
+        """Move the emulator's clock forward and start the cron runs it made due; the new time."""
+        now = self.state.advance(seconds)
+        self.cron.tick()
+        return now
+
+    @property
+    def cron(self) -> CronService:
+        """The cron jobs (``cron.model``), ``tick()`` and ``await cron.drain()`` for in-flight runs."""
+        return self.app[CRON_KEY]
 
     @property
     def calls(self) -> list[dict[str, Any]]:

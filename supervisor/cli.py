@@ -141,7 +141,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 def cmd_dlq_redrive(args: argparse.Namespace) -> int:
     """Move Infrai's dead-lettered messages back to the queue. Safe at any time: a message
-    whose operation is settled is acked on sight, a superseded one is dropped."""
+    whose operation is settled is acked on sight."""
     from supervisor.queue.infrai import InfraiQueue
 
     cfg = config.load(_config_path(args.config))

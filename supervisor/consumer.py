@@ -155,6 +155,10 @@ class ConsumerPool:
                 self._wanted.clear()
                 await self._wanted.wait()
                 continue
+            if not self.caps.extend:
+                # Messages taken now would outlive their visibility timeout waiting for
+                # the hold to end, and each would be published again: take none until then.
+                await self.budget.ready()
             try:
                 deliveries = await self._receive(min(wanted, q.receive_batch), q.lease_seconds)
             except QueueBlocked:
@@ -277,7 +281,7 @@ class ConsumerPool:
                       received: Received | None) -> None:
         msg = delivery.message
         if received is None:  # the bookkeeping write failed: read, and count nothing
-            received = Received(await self.ledger.get_operation(msg.operation_id), True, 0)
+            received = Received(await self.ledger.get_operation(msg.operation_id), 0)
         op = received.operation
         if op is None:
             log.warning("message for unknown operation %s dropped", msg.operation_id)
@@ -286,10 +290,6 @@ class ConsumerPool:
         if op.state in SETTLED:
             # Redelivered after its outcome committed (the ack was lost or never sent).
             await self.courier.drop(delivery, "settled")
-            return
-        if not received.live:
-            # A superseded copy: the operation's live message is another one.
-            await self.courier.drop(delivery, "superseded")
             return
         if op.unfinished_attempt and not self.config.partner.idempotency_keys:
             # The last request may have acted and the partner cannot dedupe a resend:
@@ -310,20 +310,24 @@ class ConsumerPool:
             return
         await self._attempt(task, delivery, op)
 
-    def _outlives_lease(self, delivery: Delivery) -> float:
-        """Without extend: how long the budget will hold this worker, when that is longer
-        than what is left of the message's visibility timeout (else 0)."""
+    async def _ready_within_lease(self, delivery: Delivery) -> bool:
+        """Wait while the budget holds every worker (a pause, a spent quota). Without
+        extend, only as long as the message's visibility timeout allows: False when the
+        hold outlasts it (the message must then be published again for when it ends)."""
         if self.caps.extend:
-            return 0.0
-        hold = self.budget.snapshot().held_for(time.time())
-        if hold <= 0:
-            return 0.0
+            await self.budget.ready()
+            return True
         held = self._held.get(delivery.message.operation_id)
         lease_s = self.config.queue.lease_seconds
-        left = lease_s - (time.monotonic() - held[1]) if held else 0.0
         # Margin: the wait for a token and the request itself come after the hold.
         margin = min(lease_s / 3, self._busy_s)
-        return hold if hold > left - margin else 0.0
+        left = (lease_s - (time.monotonic() - held[1]) if held else 0.0) - margin
+        try:
+            async with asyncio.timeout(max(0.0, left)):
+                await self.budget.ready()
+        except TimeoutError:
+            return False
+        return True
 
     async def _attempt(self, task: asyncio.Task[None], delivery: Delivery, op: Operation) -> None:
         partner = self.config.partner
@@ -333,15 +337,15 @@ class ConsumerPool:
                 # Throttled and told to stop: nothing is in the air, hand the message back.
                 await asyncio.shield(self.courier.hand_back(delivery))
                 return
-            if (hold := self._outlives_lease(delivery)) > 0:
-                # The message would become visible again while we wait: publish it again
-                # for when the hold ends, and let this worker go.
-                await asyncio.shield(self.courier.defer(delivery, hold))
-                return
             self._phases[task] = Phase.WAITING
             # A pause or a spent quota is waited out before the attempt is written, so a
             # long hold never leaves an attempt open.
-            await self.budget.ready()
+            if not await self._ready_within_lease(delivery):
+                # The message would become visible again while we wait: publish it again
+                # for when the hold ends, and let this worker go.
+                hold = self.budget.snapshot().held_for(time.time())
+                await asyncio.shield(self.courier.defer(delivery, hold))
+                return
             # Writing the attempt is not cut short by a shutdown (it may commit all the
             # same); the wait for the token after it is, and closes the attempt unsent.
             self._phases[task] = Phase.SENDING

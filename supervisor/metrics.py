@@ -21,8 +21,7 @@ QUEUE_REPOSTS = Counter(
     "Messages published again with a delay because the transport has no nack or extend.")
 QUEUE_DROPPED = Counter(
     "cleanup_queue_dropped_deliveries",
-    "Deliveries acked without work: superseded copies, settled or unknown operations, "
-    "malformed bodies.", ["reason"])
+    "Deliveries acked without work: settled or unknown operations, malformed bodies.", ["reason"])
 QUEUE_DUPLICATES = Counter(
     "cleanup_queue_duplicate_deliveries",
     "Deliveries of a message this process already holds (left to their lease).")

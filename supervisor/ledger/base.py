@@ -110,8 +110,6 @@ class Received:
     """What the ledger knows about one delivery when it arrives."""
 
     operation: Operation | None  # None: no such operation
-    # False: the operation's live message is another one (this is a superseded copy).
-    live: bool
     receives: int  # deliveries since the operation's last outcome, this one included
 
 

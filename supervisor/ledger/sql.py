@@ -212,13 +212,14 @@ RECORD_PUBLISHED = (
     " state = CASE state WHEN 'discovered' THEN 'queued' ELSE state END "
     "WHERE id = :id AND state IN ('discovered', 'queued', 'retry_wait', 'in_flight')"
 )
-# A delivery arrived. Only the live message counts: another one is a superseded copy (a
-# repost's predecessor whose ack was lost) and matches nothing. No message recorded yet
-# (the consumer beat the outbox's bookkeeping) makes this one the live one.
+# A delivery arrived, of the live message or of another copy (a repost's predecessor
+# whose ack was lost, a publish a killed process never recorded): every copy is the same
+# work, and the in-flight guard keeps it to one attempt. No message recorded yet makes
+# this one the live one.
 NOTE_RECEIVED = (
     "UPDATE operations SET receives = receives + 1, received_at = :now,"
     " leased_until = :until, message_id = COALESCE(message_id, :message_id) "
-    "WHERE id = :id AND (message_id IS NULL OR message_id = :message_id) RETURNING receives"
+    "WHERE id = :id RETURNING receives"
 )
 # After an outcome: the receive count starts again; a retry is due after its delay. With
 # a transport outside this database the old message is about to be acked (``clear``), so

@@ -188,7 +188,7 @@ class SqliteLedger:
         # Nothing is written before the first UPDATE can fail: no savepoint needed.
         counted = await self.db.write(write, savepoint=False)
         ops = await self.get_operations([d.message.operation_id for d in deliveries])
-        return [Received(ops.get(d.message.operation_id), i in counted, counted.get(i, 0))
+        return [Received(ops.get(d.message.operation_id), counted.get(i, 0))
                 for i, d in enumerate(deliveries)]
 
     async def get_operation(self, operation_id: str) -> Operation | None:

@@ -24,6 +24,7 @@ from supervisor.queue.base import Delivery, Message, Queue
 log = logging.getLogger(__name__)
 
 HAND_BACK_S = 3.0
+RECORD_EVERY = 32
 
 
 class Courier:
@@ -42,9 +43,14 @@ class Courier:
             await self.ledger.record_published([Published(m.operation_id, None, due)
                                                 for m in messages])
             return
-        ids = await self.queue.publish(messages, delay_s)
-        await self.ledger.record_published([Published(m.operation_id, mid, due)
-                                            for m, mid in zip(messages, ids, strict=True)])
+        # A transport outside the ledger's database publishes message by message: record
+        # them a chunk at a time, so a crash mid-batch republishes a chunk, not the batch.
+        step = len(messages) if self.capabilities.transactional_ack else RECORD_EVERY
+        for i in range(0, len(messages), step):
+            chunk = messages[i:i + step]
+            ids = await self.queue.publish(chunk, delay_s)
+            await self.ledger.record_published([Published(m.operation_id, mid, due)
+                                                for m, mid in zip(chunk, ids, strict=True)])
 
     async def follow_up(self, settlements: Sequence[Settlement]) -> None:
         """After the ledger committed these outcomes: what their messages still need (for
@@ -92,7 +98,7 @@ class Courier:
             self._failed("hand-back", delivery, QueueError(str(exc) or "timed out"))
 
     async def drop(self, delivery: Delivery, reason: str) -> None:
-        """Ack a delivery that carries no work (superseded, settled, not ours)."""
+        """Ack a delivery that carries no work (its operation settled, or not ours)."""
         metrics.QUEUE_DROPPED.labels(reason).inc()
         try:
             await self.queue.ack([delivery])

@@ -267,8 +267,9 @@ class Infrai:
         """Every /v1 call so far, in order (fetched incrementally)."""
         since = self._log[-1]["seq"] if self._log else 0
         self._log += await self._get("/_emulator/log", since=since)
-        assert len(self._log) == self._log[-1]["seq"] if self._log else True, \
-            "the emulator's call log dropped entries (log_limit)"
+        # seq is dense from 1: a gap means the emulator's log_limit dropped entries.
+        assert not self._log or self._log[-1]["seq"] == len(self._log), \
+            "the emulator's call log dropped entries (raise its --log-limit)"
         return self._log
 
     async def messages(self) -> InfraiMessages:

@@ -6,8 +6,7 @@ nack and extend, redeliveries recognised by the ledger."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import pytest
@@ -74,13 +73,17 @@ def service_config(partner_url: str, lease_s: float = 30.0) -> Config:
 
 
 async def drain(rig: Rig, config: Config, budget: LocalBudget | None = None,
-                within_s: float = 30) -> None:
+                within_s: float = 30, on_first: Callable[[], None] | None = None) -> None:
     partner = PartnerClient(config.partner, config.limits.concurrency)
     await partner.start()
     done = asyncio.Event()
     budget = budget or LocalBudget(config.limits, key="test")
+    first = [on_first]
 
     def settled() -> None:
+        if first[0] is not None:
+            first.pop()()
+            first.append(None)
         asyncio.get_running_loop().create_task(check())
 
     async def check() -> None:
@@ -119,23 +122,29 @@ async def test_a_run_drains_through_a_transport_without_nack_or_extend(rig: Rig)
 
 async def test_a_pause_longer_than_the_visibility_timeout_reposts_and_never_doubles(
         rig: Rig) -> None:
-    """Lease 2 s, a Retry-After pause of 4 s in force: every held message is published
-    again for when the pause ends and its copy acked; no two attempts of one operation,
-    nothing lost."""
+    """Lease 2 s; after the first deletion the partner answers 429 with a Retry-After of
+    4 s: every worker holding a throttled message publishes it again for when the pause
+    ends and acks its copy, and nothing more is taken meanwhile; no two attempts of one
+    operation in flight, nothing lost."""
     reposts = metrics.QUEUE_REPOSTS._value.get()
     async with run_sandbox(SandboxConfig(recipients=N, absent_share=0.0,
                                          rate_per_second=0)) as sandbox:
         config = service_config(sandbox.url, lease_s=2.0)
-        budget = LocalBudget(config.limits, key="test")
-        budget.pause(time.time() + 4.0, "test")
-        await drain(rig, config, budget)
+        await drain(rig, config,
+                    on_first=lambda: sandbox.state.apply_control({"pause_seconds": 4.0}))
         stats = sandbox.state.stats()
     assert stats["executions"] == N
     assert stats["duplicates"] == 0
-    assert metrics.QUEUE_REPOSTS._value.get() > reposts
+    assert stats["rate_limited"] >= 1
+    reposted = metrics.QUEUE_REPOSTS._value.get() - reposts
+    # Only what was held when the pause began (workers and prefetch), not the backlog.
+    assert 0 < reposted <= config.limits.concurrency + 2, reposted
     for _, op in await rig.ledger.list_operations(rig.run_id, None, 0, N):
         attempts = await rig.ledger.attempts(op.id)
-        assert len(attempts) == 1, attempts  # one attempt each: no redelivery resent
+        # Throttled attempts are refunded, not failed; one attempt deleted each.
+        deleting = [a for a in attempts if a.outcome == "deleted"]
+        assert len(deleting) == 1, attempts
+        assert {a.outcome for a in attempts} <= {"deleted", "throttled"}, attempts
 
 
 async def test_a_crash_between_commit_and_ack_redelivers_and_is_acked_without_a_call(

@@ -15,7 +15,10 @@ Every case ends with :func:`verify`, which asserts what issue 3 promises:
   unknown, unless a probe or an operator queued the operation again in between;
 * the run's counts in the API equal the ledger's rows, read from the SQLite file
   (read-only) after the service stopped; the attempts rows agree with what the partner
-  saw and with each operation's attempts log in the API.
+  saw and with each operation's attempts log in the API;
+* with ``queue.backend = "infrai"`` (the emulator process) instead of the embedded
+  queue's table: whatever the emulator still holds belongs to settled operations, and
+  its own counts agree with the messages its call log shows.
 
 Synchronisation is by events only: the service's log lines, its ``?wait=done``
 long-poll and the simulator's ``/_sandbox/wait`` long-poll.
@@ -40,7 +43,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import E2E, Sandbox, Sections, Service, ServiceProcess, merge
+from conftest import (
+    E2E,
+    Infrai,
+    InfraiMessages,
+    Sandbox,
+    Sections,
+    Service,
+    ServiceProcess,
+    merge,
+)
 
 TERMINAL = frozenset({"deleted", "already_absent", "failed"})
 ACTIVE = ("queued", "in_flight", "retry_wait")
@@ -201,9 +213,15 @@ class LedgerRows:
     attempts: Counter[str]  # attempts rows by kind (delete, probe, operator)
     outcomes: Counter[tuple[str, str | None]]  # (kind, outcome) -> rows
     open_attempts: int  # rows with no outcome yet
-    messages: int
+    messages: int  # the embedded queue's rows (always 0 with Infrai)
     leased: int
-    stranded: list[str]  # queued/in_flight/retry_wait operations without any message
+    # Embedded queue: queued/in_flight/retry_wait operations without any message. Infrai
+    # keeps its messages elsewhere: see FaultService.stranded.
+    stranded: list[str]
+    live: dict[str, str | None]  # queued/in_flight/retry_wait op -> its live message_id
+    terminal_at: dict[str, float]  # settled op -> when it settled (updated_at)
+    state_of: dict[str, str]  # every op -> its state
+    message_of: dict[str, str | None]  # every op -> the last message recorded as its live one
     runs: dict[str, str]  # run id -> state
     scan_pages: int
     blind_resends: list[str]  # a delete sent after an unresolved attempt, not re-queued
@@ -215,10 +233,11 @@ class FaultService(Service):
     and their own environment, keep their stdout, and stop gracefully on request."""
 
     def __init__(self, e2e: E2E, config: dict[str, dict[str, Any]], name: str,
-                 global_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
-        super().__init__(e2e, config, name)
+                 global_args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 infrai: Infrai | None = None) -> None:
+        super().__init__(e2e, config, name, infrai)
         self.global_args = tuple(global_args)
-        self.env = dict(e2e.env if env is None else env)
+        self.env = dict(self.env if env is None else env)
         self.kills = 0
         self.history: list[FaultProcess] = []  # type: ignore[assignment]
         self.current: FaultProcess | None = None  # type: ignore[assignment]
@@ -266,10 +285,35 @@ class FaultService(Service):
     def ledger(self) -> LedgerRows:
         """Read the ledger file; only while no process of this service runs."""
         assert self.current is None or self.current.proc.returncode is not None
-        return read_ledger(self.ledger_path)
+        return read_ledger(self.ledger_path, embedded=self.infrai is None)
+
+    async def stranded(self, rows: LedgerRows) -> list[str]:
+        """Operations that still need work and that nothing will bring back.
+
+        Embedded queue: no message row. Infrai: the ledger names a live message the
+        emulator no longer holds (never published, or acked). An operation whose live
+        message is NULL is redrive's to publish; one whose live message is still in the
+        emulator (visible, delayed or leased by a dead process) comes back.
+        """
+        if self.infrai is None:
+            return rows.stranded
+        held = (await self.infrai.messages()).held
+        return stranded_in_infrai(rows, held)
 
 
-def read_ledger(path: Path) -> LedgerRows:
+def stranded_in_infrai(rows: LedgerRows, held: dict[str, str]) -> list[str]:
+    """Active operations whose live message is not among ``held`` (message_id ->
+    operation_id of what the emulator still holds), nor NULL."""
+    out = []
+    for op_id, message_id in rows.live.items():
+        if message_id is None:
+            continue
+        if held.get(message_id) != op_id:
+            out.append(op_id)
+    return out
+
+
+def read_ledger(path: Path, embedded: bool = True) -> LedgerRows:
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
         states = dict.fromkeys(STATES, 0)
@@ -283,7 +327,16 @@ def read_ledger(path: Path) -> LedgerRows:
                               ).fetchone()[0]
         stranded = [r[0] for r in conn.execute(
             "SELECT id FROM operations o WHERE state IN ('queued', 'in_flight', 'retry_wait') "
-            "AND NOT EXISTS (SELECT 1 FROM messages m WHERE m.operation_id = o.id)")]
+            "AND NOT EXISTS (SELECT 1 FROM messages m WHERE m.operation_id = o.id)")
+            ] if embedded else []
+        live = dict(conn.execute(
+            "SELECT id, message_id FROM operations "
+            "WHERE state IN ('queued', 'in_flight', 'retry_wait')").fetchall())
+        terminal_at = dict(conn.execute(
+            "SELECT id, updated_at FROM operations "
+            "WHERE state IN ('deleted', 'already_absent', 'failed')").fetchall())
+        state_of = dict(conn.execute("SELECT id, state FROM operations").fetchall())
+        message_of = dict(conn.execute("SELECT id, message_id FROM operations").fetchall())
         runs = dict(conn.execute("SELECT id, state FROM runs").fetchall())
         scan_pages = conn.execute("SELECT COALESCE(SUM(scan_pages), 0) FROM runs").fetchone()[0]
     finally:
@@ -306,20 +359,22 @@ def read_ledger(path: Path) -> LedgerRows:
         states=states, op_attempts=op_attempts,
         attempts=Counter(r[2] for r in rows), outcomes=Counter((r[2], r[4]) for r in rows),
         open_attempts=sum(1 for r in rows if r[4] is None), messages=messages,
-        leased=leased, stranded=stranded, runs=runs, scan_pages=scan_pages,
-        blind_resends=blind, log_of=log_of)
+        leased=leased, stranded=stranded, live=live, terminal_at=terminal_at,
+        state_of=state_of, message_of=message_of, runs=runs,
+        scan_pages=scan_pages, blind_resends=blind, log_of=log_of)
 
 
 def fault_service(e2e: E2E, sandbox: Sandbox | None, *overrides: Sections,
                   name: str = "service", global_args: Sequence[str] = (),
-                  env: dict[str, str] | None = None) -> FaultService:
+                  env: dict[str, str] | None = None,
+                  infrai: Infrai | None = None) -> FaultService:
     """A :class:`FaultService` on the e2e base configuration, FAULT_DEFAULTS and
-    ``overrides`` (later ones win)."""
+    ``overrides`` (later ones win); with ``infrai`` its queue is that emulator's."""
     config: Sections = FAULT_DEFAULTS
     for o in overrides:
         config = merge(config, o)
-    plain = e2e.service(sandbox, config, name)
-    svc = FaultService(e2e, plain.config, name, global_args, env)
+    plain = e2e.service(sandbox, config, name, infrai)
+    svc = FaultService(e2e, plain.config, name, global_args, env, infrai)
     e2e.services[e2e.services.index(plain)] = svc  # the e2e teardown closes it
     return svc
 
@@ -363,6 +418,8 @@ class Verified:
     ledger: LedgerRows
     executions: Counter[str]
     log: list[dict[str, Any]]  # the partner's executions, in order
+    infrai: InfraiMessages | None = None  # the emulator's messages, after the stop
+    infrai_stats: dict[str, Any] | None = None  # GET /_emulator/stats, after the stop
 
 
 async def verify(e2e: E2E, svc: FaultService, sandbox: Sandbox, run_id: str, mode: Mode,
@@ -430,6 +487,7 @@ async def verify(e2e: E2E, svc: FaultService, sandbox: Sandbox, run_id: str, mod
     assert rows.states == {s: counts.get(s, 0) for s in STATES}, (rows.states, counts)
     assert rows.op_attempts == sum(op["attempts"] for op in ops)
     assert rows.stranded == [], rows.stranded[:5]
+    assert rows.live == {}, list(rows.live.items())[:5]
     assert rows.messages == 0, rows.messages
     assert rows.runs == {run_id: "done"}, rows.runs
     assert rows.attempts["operator"] == operator_rows, rows.attempts
@@ -447,6 +505,10 @@ async def verify(e2e: E2E, svc: FaultService, sandbox: Sandbox, run_id: str, mod
     if not mode.keys:
         assert rows.blind_resends == [], [rows.log_of[o] for o in rows.blind_resends[:3]]
 
+    messages = emulator = None
+    if svc.infrai is not None:
+        messages, emulator = await check_infrai(svc.infrai, rows)
+
     r = fault.record
     r.runs += len(rows.runs)
     r.processes += len(svc.history)
@@ -456,7 +518,37 @@ async def verify(e2e: E2E, svc: FaultService, sandbox: Sandbox, run_id: str, mod
     r.notes.update({"requests": stats["requests"], "executions": stats["executions"],
                     "replays": stats["replays"], "probes": rows.attempts["probe"],
                     "ambiguous_left": counts["ambiguous"]})
-    return Verified(run, ops, stats, rows, executions, log)
+    if messages is not None and emulator is not None:
+        q = emulator["queues"][svc.infrai.queue]  # type: ignore[union-attr]
+        r.notes.update({
+            "infrai_calls": emulator["total_calls"],
+            "infrai_calls_per_op": round(emulator["total_calls"] / max(1, population), 2),
+            "publishes": q["published"],
+            "reposts": q["published"] - population,
+            "redeliveries": q["redeliveries"],
+            "left_in_infrai": len(messages.held)})
+    return Verified(run, ops, stats, rows, executions, log, messages, emulator)
+
+
+async def check_infrai(infrai: Infrai, rows: LedgerRows,
+                       ) -> tuple[InfraiMessages, dict[str, Any]]:
+    """After the stop: the emulator's counts agree with its call log, and whatever it
+    still holds is a copy of a settled operation's message (a repost's predecessor, a
+    redrive's), dropped on sight should it ever be delivered."""
+    messages = await infrai.messages()
+    emulator = await infrai.stats()
+    q = emulator["queues"][infrai.queue]
+    assert len(messages.held) == q["visible"] + q["delayed"] + q["leased"], (
+        len(messages.held), q)
+    assert q["published"] == len(messages.operation_of), q
+    assert q["dlq"] == q["dead_lettered"] == 0, q
+    unsettled = {op for op in messages.held.values()
+                 if rows.state_of.get(op) not in TERMINAL | {"ambiguous"}}
+    assert not unsettled, f"unsettled operations left in Infrai: {sorted(unsettled)[:5]}"
+    # Every operation got at least one message, and only the run's operations did.
+    assert set(messages.operation_of.values()) == set(rows.state_of), (
+        len(set(messages.operation_of.values())), len(rows.state_of))
+    return messages, emulator
 
 
 async def cli(e2e: E2E, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:

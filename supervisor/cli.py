@@ -91,6 +91,41 @@ async def _request(method: str, url: str, body: Any = None) -> tuple[int, Any]:
         return resp.status, orjson.loads(await resp.read() or b"null")
 
 
+def _trigger_via_infrai(args: argparse.Namespace, body: dict[str, Any]) -> int:
+    """Publish the tick to Infrai's tick queue: the service pulls it (no inbound traffic)."""
+    import dataclasses
+
+    from supervisor.queue.infrai import InfraiQueue
+    from supervisor.ticks import publish_tick
+
+    cfg = config.load(_config_path(args.config))
+    if not cfg.infrai.tick_queue:
+        print("trigger --via infrai: infrai.tick_queue is not set", file=sys.stderr)
+        return EXIT_USAGE
+    if args.ids:
+        print("trigger --via infrai: inline IDs do not travel as ticks", file=sys.stderr)
+        return EXIT_USAGE
+    tick = {k: v for k, v in body.items() if k in ("schedule", "scheduled_for")}
+
+    async def publish() -> str:
+        queue = InfraiQueue(dataclasses.replace(cfg.infrai, queue=cfg.infrai.tick_queue,
+                                                dead_letter_queue=""))
+        await queue.start()
+        try:
+            return await publish_tick(queue, tick)
+        finally:
+            await queue.close()
+
+    try:
+        message_id = run_async(publish())
+    except ValueError as exc:
+        print(f"trigger --via infrai: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(orjson.dumps({"queue": cfg.infrai.tick_queue, "message_id": message_id,
+                        "tick": tick}).decode())
+    return 0
+
+
 def cmd_trigger(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {}
     if args.schedule:
@@ -99,6 +134,8 @@ def cmd_trigger(args: argparse.Namespace) -> int:
         body["scheduled_for"] = args.scheduled_for
     if args.ids:
         body["recipient_ids"] = args.ids
+    if args.via == "infrai":
+        return _trigger_via_infrai(args, body)
     status, doc = run_async(_request("POST", f"{args.url.rstrip('/')}/v1/runs", body))
     print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
     return 0 if status < 300 else EXIT_RUNTIME
@@ -163,6 +200,49 @@ def cmd_dlq_redrive(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_infrai_cron(args: argparse.Namespace) -> int:
+    """``infrai cron apply``: the Infrai cron job for the configured schedule, created or
+    kept as it is (applying twice changes nothing); ``status``: the job, its next run and
+    its recent runs."""
+    from supervisor.infrai.client import InfraiClient
+    from supervisor.infrai.cron import CronRefused, InfraiCron
+
+    cfg = config.load(_config_path(args.config))
+    s = cfg.schedule
+    if s.cron is None:
+        print("infrai cron: schedule.cron is not set", file=sys.stderr)
+        return EXIT_USAGE
+    if cfg.infrai.token is None:
+        print(f"infrai cron: ${cfg.infrai.token_env} is not set", file=sys.stderr)
+        return EXIT_USAGE
+
+    async def act() -> dict[str, Any]:
+        client = InfraiClient(cfg.infrai)
+        await client.start()
+        try:
+            cron = InfraiCron(client, cfg.infrai, cfg.trigger.token)
+            spec = cron.spec(s.name, s.cron or "", s.timezone)
+            if args.action == "apply":
+                done, job = await cron.apply(spec, replace=args.replace)
+                return {"result": done, "job": job}
+            jobs = [j for j in await cron.jobs() if j.get("name") == spec.name]
+            if not jobs:
+                return {"job": None, "hint": "run `infrai cron apply`"}
+            runs = await cron.runs(jobs[0])
+            return {"job": jobs[0], "next_run_at": jobs[0].get("next_run_at"),
+                    "recent_runs": runs[-args.runs:]}
+        finally:
+            await client.close()
+
+    try:
+        out = run_async(act())
+    except CronRefused as exc:
+        print(f"infrai cron: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cleanup-supervisor", description=__doc__)
     p.add_argument("--version", action="version", version=__version__)
@@ -194,12 +274,25 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
     s.set_defaults(func=cmd_dlq_redrive)
 
+    s = sub.add_parser("infrai", help="Infrai's clock: the cron job for the schedule")
+    infrai = s.add_subparsers(dest="infrai_command", required=True)
+    cron = infrai.add_parser("cron", help="apply or show the Infrai cron job")
+    cron.add_argument("action", choices=["apply", "status"])
+    cron.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    cron.add_argument("--runs", type=int, default=10, help="status: how many recent runs")
+    cron.add_argument("--replace", action="store_true",
+                      help="apply: replace the job even if it looks the same (a new trigger token)")
+    cron.set_defaults(func=cmd_infrai_cron)
+
     url_default = os.environ.get("CLEANUP_URL", "http://127.0.0.1:8080")
     s = sub.add_parser("trigger", help="open a run (token from $CLEANUP_TRIGGER_TOKEN)")
     s.add_argument("--url", default=url_default)
     s.add_argument("--schedule")
     s.add_argument("--scheduled-for", help="ISO 8601 slot this tick stands for")
     s.add_argument("ids", nargs="*", help="inline recipient IDs")
+    s.add_argument("--via", choices=["webhook", "infrai"], default="webhook",
+                   help="infrai: publish the tick to infrai.tick_queue for the service to pull")
+    s.add_argument("--config", "-c", help="with --via infrai: TOML file (or $CLEANUP_CONFIG)")
     s.set_defaults(func=cmd_trigger)
 
     s = sub.add_parser("runs", help="list runs, show one, or list its operations by state")

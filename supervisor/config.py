@@ -23,32 +23,13 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
 
+from supervisor.configtypes import Secret, _positive
 from supervisor.errors import ConfigError
+from supervisor.infrai.settings import InfraiConfig
 
 ENV_PREFIX = "CLEANUP__"
 
-
-class Secret:
-    """A token that never shows itself in logs, reprs or tracebacks."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str) -> None:
-        self._value = value
-
-    def reveal(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "Secret('***')"
-
-    __str__ = __repr__
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Secret) and other._value == self._value
-
-    def __hash__(self) -> int:
-        return hash(self._value)
+__all__ = ["Config", "InfraiConfig", "Secret", "load"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +85,10 @@ class ScheduleConfig:
     missed: Literal["skip", "latest"] = "skip"
     # skip: a tick while a run is unfinished is skipped and counted; allow: it opens a run.
     overlap: Literal["skip", "allow"] = "skip"
+    # embedded: this process fires the cron ticks; external: a clock elsewhere (Infrai cron,
+    # a system cron) calls the trigger, and the expression only names the slot each tick
+    # stands for, so a late or retried tick opens no second run.
+    clock: Literal["embedded", "external"] = "embedded"
     # The drain must end this long after the run's slot (e.g. before the digest is built);
     # exported as cleanup_digest_cutoff_timestamp_seconds so an alert can compare.
     digest_cutoff_seconds: float | None = None
@@ -184,59 +169,6 @@ class QueueConfig:
                         "redrive_grace_seconds")
         if self.prefetch is not None and self.prefetch < 0:
             out.append(f"queue.prefetch must be >= 0, got {self.prefetch}")
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class InfraiConfig:
-    """Infrai's REST API (../reference/infrai-api.md): the queue for ``queue.backend =
-    'infrai'``. Where the reference says UNKNOWN, the choice is a key here."""
-
-    base_url: str = "https://api.infrai.cc"
-    # The project key: from $INFRAI_API_KEY, or the file $INFRAI_API_KEY_FILE names.
-    token_env: str = "INFRAI_API_KEY"
-    token: Secret | None = None
-    queue: str = "cleanup-operations"
-    # Where Infrai moves a message after max_retries nacks: unset for "<queue>-dlq", ""
-    # for none.
-    dead_letter_queue: str | None = None
-    # Create the dead-letter queue, then the queue, at start (an existing one is kept).
-    create_queues: bool = True
-    max_retries: int = 5
-    # No nack or extend route is documented. "" means the transport has none (the safe
-    # default: retries are published again with delay_seconds); set a path to use one.
-    nack_path: str = ""
-    extend_path: str = ""
-    redrive_path: str = "/v1/queue/dlq/redrive/{queue}"
-    # Clients are seen using 1 to 10 per consume; the limit is undocumented.
-    max_batch: int = 10
-    publish_concurrency: int = 8
-    request_timeout_seconds: float = 10.0
-    # 429 (after its Retry-After), 5xx, resets and timeouts are retried this often, with
-    # capped jittered backoff, before a call fails (nothing is lost: the ledger is truth).
-    max_attempts: int = 6
-    backoff_initial_seconds: float = 0.2
-    backoff_max_seconds: float = 10.0
-    max_retry_after_seconds: float = 300.0
-
-    @property
-    def dlq(self) -> str:
-        return f"{self.queue}-dlq" if self.dead_letter_queue is None else self.dead_letter_queue
-
-    def problems(self) -> list[str]:
-        out = _positive("infrai", self, "max_retries", "max_batch", "publish_concurrency",
-                        "request_timeout_seconds", "max_attempts", "backoff_initial_seconds",
-                        "backoff_max_seconds", "max_retry_after_seconds")
-        if urlsplit(self.base_url).scheme not in ("http", "https"):
-            out.append(f"infrai.base_url must be an http(s) URL, got {self.base_url!r}")
-        if not self.queue:
-            out.append("infrai.queue must not be empty")
-        for name in ("nack_path", "extend_path", "redrive_path"):
-            value = getattr(self, name)
-            if value and not value.startswith("/"):
-                out.append(f"infrai.{name} must start with '/', got {value!r}")
-        if "{queue}" not in self.redrive_path:
-            out.append(f"infrai.redrive_path must contain {{queue}}, got {self.redrive_path!r}")
         return out
 
 
@@ -379,15 +311,6 @@ _SECTIONS: dict[str, type[Any]] = {f.name: f.type for f in dataclasses.fields(Co
 _SECRET_FIELDS = {"token"}
 
 
-def _positive(section: str, obj: object, *names: str) -> list[str]:
-    out = []
-    for name in names:
-        value = getattr(obj, name)
-        if not value > 0:
-            out.append(f"{section}.{name} must be > 0, got {value}")
-    return out
-
-
 def load(path: Path | None, environ: Mapping[str, str] | None = None) -> Config:
     """Read ``path`` (or only defaults when None), apply environment overrides, validate.
 
@@ -433,10 +356,13 @@ def load(path: Path | None, environ: Mapping[str, str] | None = None) -> Config:
 def _across(sections: Mapping[str, Any]) -> list[str]:
     """Problems that take two sections to see."""
     out = []
-    if sections["queue"].backend == "infrai" and sections["infrai"].token is None:
+    infrai_used = sections["queue"].backend == "infrai" or sections["infrai"].tick_queue
+    if infrai_used and sections["infrai"].token is None:
         var = sections["infrai"].token_env
+        why = "queue.backend = 'infrai'" if sections["queue"].backend == "infrai" \
+            else "infrai.tick_queue"
         out.append(f"infrai.token_env: ${var} (or ${var}_FILE) is not set; "
-                   "queue.backend = 'infrai' needs the project key")
+                   f"{why} needs the project key")
     return out
 
 

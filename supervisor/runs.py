@@ -6,8 +6,11 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
+
+from croniter import croniter
 
 from supervisor import metrics
 from supervisor.config import Config
@@ -33,6 +36,21 @@ class Tick:
         return f"{self.schedule}@{now.astimezone(UTC).isoformat()}"
 
 
+def slot_of(cron: str, tz: str, now: datetime) -> datetime:
+    """The cron slot a tick arriving ``now`` stands for: the latest one at or before now,
+    or the next one when it is at most ``EARLY_S`` away (a clock that jitters early)."""
+    local = now.astimezone(ZoneInfo(tz))
+    upcoming: datetime = croniter(cron, local).get_next(datetime)
+    if (upcoming - local).total_seconds() <= EARLY_S:
+        return upcoming
+    current: datetime = croniter(cron, local + timedelta(microseconds=1)).get_prev(datetime)
+    return current
+
+
+# Infrai's cron jitters by seconds; a tick this early still stands for the coming slot.
+EARLY_S = 30.0
+
+
 class RunOpener:
     """Applies tick dedup and the overlap policy, then wakes the scanner."""
 
@@ -47,6 +65,13 @@ class RunOpener:
 
     async def open(self, tick: Tick) -> OpenRunResult:
         now = datetime.now(UTC)
+        s = self.config.schedule
+        if tick.slot is None and tick.key is None and s.clock == "external" and \
+                s.cron is not None and tick.schedule == s.name:
+            # An external clock's tick (Infrai cron sends only its payload): the slot comes
+            # from the expression, so a tick seconds late, or retried, dedupes on it.
+            tick = Tick(tick.schedule, slot_of(s.cron, s.timezone, now), None,
+                        tick.recipient_ids)
         if tick.recipient_ids is not None:
             source: dict[str, Any] = {"kind": "inline", "ids": list(tick.recipient_ids)}
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -41,6 +42,7 @@ from supervisor.redrive import Redriver
 from supervisor.runs import RunOpener
 from supervisor.scan import Publisher, Scanner
 from supervisor.schedule import Scheduler
+from supervisor.ticks import TickPuller
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +177,16 @@ class Service:
         ]
         if c.partner.probe_path:
             components.append(("reconcile", reconciler.run))
-        if c.schedule.cron is not None:
+        if c.schedule.cron is not None and c.schedule.clock == "embedded":
             components.append(("schedule", Scheduler(c.schedule, opener).run))
-        intake = {"publisher", "scan", "schedule", "redrive", "reconcile"}
+        tick_queue: InfraiQueue | None = None
+        if c.infrai.tick_queue:
+            tick_queue = InfraiQueue(dataclasses.replace(
+                c.infrai, queue=c.infrai.tick_queue, dead_letter_queue=""))
+            await tick_queue.start()
+            components.append(("ticks", TickPuller(tick_queue, opener, c.schedule.name,
+                                                   c.infrai.tick_poll_seconds).run))
+        intake = {"publisher", "scan", "schedule", "redrive", "reconcile", "ticks"}
         summary: dict[str, int] = {}
         started_at = time.monotonic()
         async with asyncio.TaskGroup() as tg:
@@ -206,6 +215,8 @@ class Service:
         await runner.cleanup()
         await partner.close()
         await queue.close()
+        if tick_queue is not None:
+            await tick_queue.close()
         await db.close()
         lock.release()
         log.info("stopped after %.1fs: %d operations settled, %d workers, %d cut off at the "

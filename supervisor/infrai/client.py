@@ -75,8 +75,9 @@ class InfraiClient:
             self._session = None
 
     async def call(self, name: str, path: str, body: Mapping[str, Any] | None = None,
-                   idempotency_key: str | None = None, retry: bool = True) -> Any:
-        """POST ``body`` to ``path``; return the envelope's ``data``.
+                   idempotency_key: str | None = None, retry: bool = True,
+                   method: str = "POST") -> Any:
+        """``method`` (POST unless said) ``body`` to ``path``; return the envelope's ``data``.
 
         Raises QueueBlocked (401/403/402), InfraiError (another refusal) or QueueError
         (still failing after ``max_attempts``).
@@ -96,7 +97,8 @@ class InfraiClient:
         while True:
             attempt += 1
             self.calls += 1
-            result = await self._try(name, path.lstrip("/"), data, headers)
+            result = await self._try(name, method, path.lstrip("/"),
+                                     data if method == "POST" else None, headers)
             if not isinstance(result, _Failure):
                 self._unblock()
                 return result
@@ -110,11 +112,11 @@ class InfraiClient:
                       attempt + 1, c.max_attempts, wait)
             await asyncio.sleep(wait)  # a backoff, not a synchronisation
 
-    async def _try(self, name: str, path: str, data: bytes,
+    async def _try(self, name: str, method: str, path: str, data: bytes | None,
                    headers: Mapping[str, str]) -> Any:
         assert self._session is not None
         try:
-            async with self._session.post(path, data=data, headers=headers) as resp:
+            async with self._session.request(method, path, data=data, headers=headers) as resp:
                 raw = await resp.read()
                 status = resp.status
                 retry_after = resp.headers.get("Retry-After")

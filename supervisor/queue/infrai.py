@@ -129,7 +129,7 @@ class InfraiQueue:
         # One key per message of this call, kept across its retries: a publish that acted
         # before its answer was lost is not a second message. Never derived from the
         # operation alone: a redrive must create a new message, not replay a lost one.
-        key = f"pub-{body['payload']['operation_id']}-{secrets.token_hex(6)}"
+        key = f"pub-{body['payload'].get('operation_id', 'msg')}-{secrets.token_hex(6)}"
         async with self._publishes:
             data = await self.client.call("queue.publish", "/v1/queue/publish", body,
                                           idempotency_key=key)
@@ -138,8 +138,8 @@ class InfraiQueue:
             raise QueueError(f"Infrai queue.publish answered no message_id: {data!r}"[:300])
         return message_id
 
-    async def receive(self, max_messages: int, lease_s: float) -> list[Delivery]:
-        self._seen = self._published
+    async def consume(self, max_messages: int, lease_s: float) -> list[Any]:
+        """The raw items of one consume call, in either documented answer shape."""
         await self.ensure_queues()
         data = await self.client.call("queue.consume", "/v1/queue/consume", {
             "queue": self.config.queue, "max_messages": min(max_messages, self.config.max_batch),
@@ -147,6 +147,16 @@ class InfraiQueue:
         items = data.get("messages") if isinstance(data, dict) else data
         if not isinstance(items, list):
             raise QueueError(f"Infrai queue.consume answered no message list: {data!r}"[:300])
+        return items
+
+    async def publish_payload(self, payload: dict[str, Any]) -> str:
+        """One message with any small JSON payload (a tick, an event)."""
+        await self.ensure_queues()
+        return await self._publish_one({"queue": self.config.queue, "payload": payload})
+
+    async def receive(self, max_messages: int, lease_s: float) -> list[Delivery]:
+        self._seen = self._published
+        items = await self.consume(max_messages, lease_s)
         token = secrets.token_hex(6)
         deliveries = []
         for item in items:
@@ -160,7 +170,7 @@ class InfraiQueue:
                             item["message_id"], extra={"action": "message_malformed"})
                 metrics.QUEUE_DROPPED.labels("malformed").inc()
                 with contextlib.suppress(QueueError):
-                    await self._ack_id(item["message_id"])
+                    await self.ack_id(item["message_id"])
             else:
                 log.warning("Infrai queue.consume returned an item without a message_id: %r",
                             item, extra={"action": "message_malformed"})
@@ -182,9 +192,9 @@ class InfraiQueue:
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
         for d in deliveries:
-            await self._ack_id(d.message_id)
+            await self.ack_id(d.message_id)
 
-    async def _ack_id(self, message_id: str) -> None:
+    async def ack_id(self, message_id: str) -> None:
         try:
             # A fresh key per ack: a key is replayed, and an ack refused once (lease
             # expired) must act when it is sent again under the next lease.

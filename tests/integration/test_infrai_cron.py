@@ -1,0 +1,130 @@
+"""The clock at Infrai: ``infrai cron apply`` against the emulator's cron surface, and the
+trigger webhook taking the emulator's scheduled POSTs (a late or retried tick opens one
+run, keyed by the slot the expression names)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import InfraiConfig, Secret
+from supervisor.infrai.client import InfraiClient
+from supervisor.infrai.cron import CronRefused, InfraiCron, check_expression
+from supervisor.runs import slot_of
+from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+
+from .http_app import TOKEN, load_config, running_api
+
+KEY = "ifr_cron_key"
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[Emulator]:
+    emu = await start_emulator(EmulatorConfig(api_key=KEY, cron_allow_private_targets=True,
+                                              cron_poll_seconds=0))
+    try:
+        yield emu
+    finally:
+        await emu.close()
+
+
+def infrai(emulator: Emulator, trigger_url: str = "https://cleanup.example.com/v1/runs",
+           **overrides: object) -> InfraiConfig:
+    return dataclasses.replace(InfraiConfig(base_url=emulator.url, token=Secret(KEY),
+                                            trigger_url=trigger_url,
+                                            backoff_initial_seconds=0.01), **overrides)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def client(emulator: Emulator) -> AsyncIterator[InfraiClient]:
+    c = InfraiClient(infrai(emulator))
+    await c.start()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+def cron_calls(emulator: Emulator) -> list[str]:
+    return [str(c["capability"]) for c in emulator.calls if "cron" in str(c["capability"])]
+
+
+async def test_apply_creates_once_and_replaces_on_change(emulator: Emulator,
+                                                         client: InfraiClient) -> None:
+    cron = InfraiCron(client, infrai(emulator), Secret(TOKEN))
+    spec = cron.spec("weekly", "0 2 * * 1", "Europe/Berlin")
+    done, job = await cron.apply(spec)
+    assert done == "created"
+    assert (job["schedule"], job["timezone"], job["url"], job["payload"]) == (
+        "0 2 * * 1", "Europe/Berlin", "https://cleanup.example.com/v1/runs",
+        {"schedule": "weekly"})
+    assert job["cron_id"] == job["id"] == job["job_id"]
+    again, same = await cron.apply(spec)
+    assert (again, same["cron_id"]) == ("unchanged", job["cron_id"])
+    assert cron_calls(emulator).count("cron.create") == 1  # applying twice changed nothing
+    changed, new = await cron.apply(cron.spec("weekly", "30 2 * * 1", "Europe/Berlin"))
+    assert changed == "replaced"
+    jobs = await cron.jobs()
+    assert [j["cron_id"] for j in jobs] == [new["cron_id"]]  # the old job is gone
+    create = next(c for c in emulator.calls if c["capability"] == "cron.create")
+    assert str(create["idempotency_key"]).startswith("cron-cleanup-weekly-")
+
+
+async def test_the_scheduling_path_family_works_too(emulator: Emulator,
+                                                    client: InfraiClient) -> None:
+    cron = InfraiCron(client, infrai(emulator, cron_paths="scheduling"), None)
+    done, _ = await cron.apply(cron.spec("weekly", "0 2 * * 1", "UTC"))
+    assert done == "created"
+    assert "scheduling.cron.create" in cron_calls(emulator)
+
+
+@pytest.mark.parametrize("expr", ["0 2 L * *", "0 2 * * 1W", "0 2 * * 1#2", "0 2 ? * 1",
+                                  "0 0 2 * * 1", "not cron at all x"])
+async def test_expressions_infrai_cannot_run_are_refused_before_sending(
+        emulator: Emulator, client: InfraiClient, expr: str) -> None:
+    with pytest.raises(CronRefused, match=r"schedule\.cron"):
+        check_expression(expr)
+    cron = InfraiCron(client, infrai(emulator), None)
+    with pytest.raises(CronRefused):
+        cron.spec("weekly", expr, "UTC")
+    assert cron_calls(emulator) == []
+
+
+async def test_no_trigger_url_is_refused(emulator: Emulator, client: InfraiClient) -> None:
+    cron = InfraiCron(client, infrai(emulator, trigger_url=""), None)
+    with pytest.raises(CronRefused, match=r"infrai\.trigger_url"):
+        cron.spec("weekly", "0 2 * * 1", "UTC")
+
+
+async def test_infrais_ticks_open_one_run_per_slot(emulator: Emulator, tmp_path: Path) -> None:
+    """Scheduled, then retried by hand twice: every POST lands on one slot, one run."""
+    cfg = load_config(tmp_path, schedule__cron="* * * * *", schedule__clock="external",
+                      source__kind="file", source__path=str(tmp_path / "none.jsonl"))
+    async with running_api(cfg) as api:
+        url = str(api.client.make_url("/v1/runs"))
+        client = InfraiClient(infrai(emulator, trigger_url=url))
+        await client.start()
+        try:
+            cron = InfraiCron(client, infrai(emulator, trigger_url=url), Secret(TOKEN))
+            _, job = await cron.apply(cron.spec("weekly", "* * * * *", "UTC"))
+            emulator.advance(61)  # the next minute's slot, by Infrai's clock
+            await emulator.cron.drain()
+            for _ in range(2):  # Infrai retrying, or an operator's "run now"
+                await client.call("cron.trigger", f"/v1/cron/trigger/{job['cron_id']}")
+                emulator.cron.tick()
+                await emulator.cron.drain()
+            runs = await cron.runs(job)
+        finally:
+            await client.close()
+        assert len(runs) == 3
+        assert all(r["status"] == "succeeded" for r in runs), runs
+        # Answered at once and far under the 4 KB Infrai keeps of a run's output.
+        assert all(len(r["output"]) < 4096 and not r["output_truncated"] for r in runs), runs
+        assert [r["http_status"] for r in runs] == [201, 200, 200], runs
+        [run] = await api.ledger.list_runs(10)
+        opened_at = datetime.fromtimestamp(run.created_at, UTC)
+        assert run.tick_key == f"weekly@{slot_of('* * * * *', 'UTC', opened_at).isoformat()}"

@@ -1,0 +1,87 @@
+"""Ticks pulled from an Infrai queue (the emulator): one run per slot however often a tick
+arrives, malformed ones said, counted and dropped, each acked only after its run is
+recorded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from supervisor import metrics
+from supervisor.config import InfraiConfig, Secret
+from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.queue.infrai import InfraiQueue
+from supervisor.runs import RunOpener
+from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from supervisor.ticks import TickPuller, publish_tick, tick_from
+
+from .http_app import load_config
+
+KEY = "ifr_tick_key"
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[Emulator]:
+    emu = await start_emulator(EmulatorConfig(api_key=KEY))
+    try:
+        yield emu
+    finally:
+        await emu.close()
+
+
+@pytest.fixture
+async def ticks(emulator: Emulator) -> AsyncIterator[InfraiQueue]:
+    q = InfraiQueue(InfraiConfig(base_url=emulator.url, token=Secret(KEY), queue="ticks",
+                                 dead_letter_queue=""))
+    await q.start()
+    try:
+        yield q
+    finally:
+        await q.close()
+
+
+async def test_a_tick_delivered_three_times_opens_one_run(
+        ledger: SqliteLedger, ticks: InfraiQueue, emulator: Emulator, tmp_path: Path) -> None:
+    cfg = load_config(tmp_path, source__kind="file", source__path=str(tmp_path / "x.jsonl"))
+    puller = TickPuller(ticks, RunOpener(cfg, ledger, asyncio.Event()), "weekly", 30)
+    slot = {"schedule": "weekly", "scheduled_for": "2026-11-30T02:00:00+00:00"}
+    for _ in range(3):  # a relay retrying, two systems publishing the same slot
+        await publish_tick(ticks, slot)
+    malformed = metrics.TICKS.labels("malformed")._value.get()
+    await ticks.publish_payload({"schedule": "weekly", "scheduled_for": "monday"})
+    assert await puller.pull() == 4
+    [run] = await ledger.list_runs(10)
+    assert run.tick_key == "weekly@2026-11-30T02:00:00+00:00"
+    assert metrics.TICKS.labels("malformed")._value.get() == malformed + 1
+    emulator.advance(120)  # past every visibility timeout: nothing comes back
+    assert await puller.pull() == 0
+    acks = [c for c in emulator.calls if c["capability"] == "queue.ack"]
+    assert len(acks) == 4
+
+
+async def test_an_unslotted_tick_takes_its_slot_from_the_expression(
+        ledger: SqliteLedger, ticks: InfraiQueue, tmp_path: Path) -> None:
+    cfg = load_config(tmp_path, schedule__cron="0 2 * * 1", schedule__clock="external",
+                      source__kind="file", source__path=str(tmp_path / "x.jsonl"))
+    puller = TickPuller(ticks, RunOpener(cfg, ledger, asyncio.Event()), "weekly", 30)
+    await publish_tick(ticks, {"schedule": "weekly"})
+    await publish_tick(ticks, {})
+    await puller.pull()
+    [run] = await ledger.list_runs(10)
+    assert run.tick_key.startswith("weekly@")
+    assert run.tick_key.endswith("T02:00:00+00:00")
+
+
+@pytest.mark.parametrize(("payload", "problem"), [
+    ([1, 2], "payload must be a JSON object"),
+    ({"schedule": ""}, "schedule must be"),
+    ({"scheduled_for": "2026-11-30T02:00:00"}, "UTC offset"),
+    ({"when": "now"}, "unknown field(s): when"),
+    ({"key": 5}, "key must be"),
+])
+def test_a_bad_tick_names_its_field(payload: object, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        tick_from(payload, "weekly")

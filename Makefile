@@ -28,6 +28,7 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 # Not part of `test`: about 29 minutes (8 partner cells x 4 runs, peers on 2 cells, growth);
+# bench/infrai.py (17 min) and bench/history.py (1 min) run on their own;
 # the Celery peer needs Redis on 127.0.0.1:6379.
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'

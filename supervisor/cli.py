@@ -243,6 +243,41 @@ def cmd_infrai_cron(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_infrai_push(args: argparse.Namespace) -> int:
+    """``infrai push subscribe``: have Infrai POST the queue's messages to this service's
+    /v1/push/{queue} (infrai.push_url), signed with the push secret."""
+    from supervisor.infrai.client import InfraiClient, InfraiError
+    from supervisor.infrai.push import SubscribeRefused, subscribe, subscription
+
+    cfg = config.load(_config_path(args.config))
+    if cfg.infrai.token is None:
+        print(f"infrai push: ${cfg.infrai.token_env} is not set", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        sub = subscription(cfg.infrai, allow_private=args.allow_private)
+    except SubscribeRefused as exc:
+        print(f"infrai push: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    async def act() -> dict[str, Any]:
+        client = InfraiClient(cfg.infrai)
+        await client.start()
+        try:
+            return await subscribe(client, sub)
+        finally:
+            await client.close()
+
+    try:
+        out = run_async(act())
+    except InfraiError as exc:
+        hint = " (this Infrai has no push_subscribe route)" if exc.status == 404 else ""
+        print(f"infrai push: {exc}{hint}", file=sys.stderr)
+        return EXIT_RUNTIME
+    print(orjson.dumps({"result": "subscribed", "subscription": out},
+                       option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cleanup-supervisor", description=__doc__)
     p.add_argument("--version", action="version", version=__version__)
@@ -283,6 +318,12 @@ def parser() -> argparse.ArgumentParser:
     cron.add_argument("--replace", action="store_true",
                       help="apply: replace the job even if it looks the same (a new trigger token)")
     cron.set_defaults(func=cmd_infrai_cron)
+    push = infrai.add_parser("push", help="register this service's push endpoint")
+    push.add_argument("action", choices=["subscribe"])
+    push.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    push.add_argument("--allow-private", action="store_true",
+                      help="accept an http or private push_url (an emulator on loopback)")
+    push.set_defaults(func=cmd_infrai_push)
 
     url_default = os.environ.get("CLEANUP_URL", "http://127.0.0.1:8080")
     s = sub.add_parser("trigger", help="open a run (token from $CLEANUP_TRIGGER_TOKEN)")

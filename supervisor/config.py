@@ -25,7 +25,8 @@ from croniter import croniter
 
 from supervisor.configtypes import Secret, _positive
 from supervisor.errors import ConfigError
-from supervisor.infrai.settings import InfraiConfig
+from supervisor.events.settings import EventsConfig, resolve_sinks
+from supervisor.infrai.settings import InfraiConfig, resolve_push_secret
 
 ENV_PREFIX = "CLEANUP__"
 
@@ -301,6 +302,7 @@ class Config:
     infrai: InfraiConfig = field(default_factory=InfraiConfig)
     partner: PartnerConfig = field(default_factory=PartnerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
 
     @property
     def ledger_path(self) -> Path:
@@ -308,7 +310,7 @@ class Config:
 
 
 _SECTIONS: dict[str, type[Any]] = {f.name: f.type for f in dataclasses.fields(Config)}  # type: ignore[misc]
-_SECRET_FIELDS = {"token"}
+_SECRET_FIELDS = {"token", "secret", "push_secret"}
 
 
 def load(path: Path | None, environ: Mapping[str, str] | None = None) -> Config:
@@ -347,6 +349,10 @@ def load(path: Path | None, environ: Mapping[str, str] | None = None) -> Config:
         # fixes everything; a check that names a mistyped key would judge its default.
         problems += [p for p in built.problems()
                      if not any(re.search(rf"\b{re.escape(name)}\.{k}\b", p) for k in bad_keys)]
+    sections["events"], more = resolve_sinks(sections["events"], sections["infrai"], env)
+    problems += more
+    sections["infrai"], more = resolve_push_secret(sections["infrai"], env)
+    problems += more
     problems += _across(sections)
     if problems:
         raise ConfigError(problems)
@@ -356,6 +362,9 @@ def load(path: Path | None, environ: Mapping[str, str] | None = None) -> Config:
 def _across(sections: Mapping[str, Any]) -> list[str]:
     """Problems that take two sections to see."""
     out = []
+    if sections["infrai"].delivery == "push" and sections["queue"].backend != "infrai":
+        out.append("infrai.delivery = 'push' needs queue.backend = 'infrai' (Infrai pushes "
+                   "the messages published to its queue)")
     infrai_used = sections["queue"].backend == "infrai" or sections["infrai"].tick_queue
     if infrai_used and sections["infrai"].token is None:
         var = sections["infrai"].token_env
@@ -363,6 +372,12 @@ def _across(sections: Mapping[str, Any]) -> list[str]:
             else "infrai.tick_queue"
         out.append(f"infrai.token_env: ${var} (or ${var}_FILE) is not set; "
                    f"{why} needs the project key")
+    infrai, partner = sections["infrai"], sections["partner"]
+    if sections["queue"].backend == "infrai" and infrai.nack_path and \
+            infrai.max_retries < partner.max_attempts:
+        # Each retry is a nack: Infrai would dead-letter a message still being retried.
+        out.append(f"infrai.max_retries ({infrai.max_retries}) must be >= "
+                   f"partner.max_attempts ({partner.max_attempts}) when infrai.nack_path is set")
     return out
 
 
@@ -457,7 +472,7 @@ def _convert_tables(key: str, cls: type[Any], value: Any) -> tuple[Any, str]:
     for i, table in enumerate(value):
         kwargs = {}
         for k, v in table.items():
-            if k not in hints:
+            if k not in hints or k in _SECRET_FIELDS:
                 problems.append(f"{key}[{i}].{k} is not a known key")
                 continue
             converted, problem = _convert(f"{key}[{i}].{k}", hints[k], v)

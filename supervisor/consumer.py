@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
@@ -16,6 +17,7 @@ from supervisor.config import Config
 from supervisor.errors import OperationBusy, QueueBlocked, QueueError, StorageError
 from supervisor.ledger.base import Disposition, Ledger, Operation, Received, Settlement
 from supervisor.partner import Answer, PartnerClient, Verdict
+from supervisor.push import PushedQueue, PushOutcome
 from supervisor.queue.base import Delivery, Queue
 from supervisor.queue.courier import Courier
 from supervisor.states import SETTLED, OpState
@@ -29,6 +31,7 @@ EARLY_S = 1.0
 IDLE_POLL_MAX_S = 30.0
 BLOCKED_RETRY_S = (5.0, 60.0)
 MANAGED_PREFETCH = 10
+FRONTIER_SAMPLES = 4096
 
 
 _NOT_SENT = Answer(Verdict.TRANSIENT, None, "not sent: shutdown before the request left")
@@ -77,6 +80,12 @@ class ConsumerPool:
         self._idle = 0
         self._wanted = asyncio.Event()
         self._held: dict[str, tuple[Delivery, float]] = {}
+        # (when, latest due time) of each claim, and when a receive last found nothing:
+        # how far the consumers have got, for redrive.
+        self._frontier: collections.deque[tuple[float, float]] = collections.deque()
+        # Deliveries whose message was acked or published again: nothing to hand back.
+        self._moved: set[str] = set()
+        self._empty_at = 0.0
         self._fetcher: asyncio.Task[None] | None = None
         self._extender: asyncio.Task[None] | None = None
         # How long an attempt may hold its operation: the request's own bound, plus slack.
@@ -137,6 +146,46 @@ class ConsumerPool:
             await asyncio.shield(self.courier.hand_back(self._inbox.get_nowait()[0]))
         return {"workers": workers, "cut_off": cut}
 
+    async def handle_pushed(self, delivery: Delivery) -> PushOutcome:
+        """One delivery Infrai pushed (supervisor/push.py), on a pool whose queue is a
+        PushedQueue: a pulled message's bookkeeping, decision and attempt, answered
+        instead of acked (2xx only once the outcome is committed). While the limiter
+        holds, or no token is likely within ``max_wait_s``, nothing is counted or sent."""
+        queue = self.queue
+        assert isinstance(queue, PushedQueue), "handle_pushed needs a pool on a PushedQueue"
+        if self._stopping.is_set():
+            return PushOutcome(503, "shutting down", 1.0, "unavailable")
+        snap = self.budget.snapshot()
+        hold = snap.held_for(time.time())
+        # Ahead of it: this pool's deliveries not yet sent, or every request holding a
+        # slot of the budget (other pools' too), whichever is more.
+        ahead = max(sum(1 for p in self._phases.values() if p is Phase.WAITING), snap.in_flight)
+        wait = hold or ahead / max(snap.rate, 1e-9)
+        if hold > 0 or wait > queue.max_wait_s:
+            why = "the partner's limit holds every request" if hold else \
+                f"no token within {queue.max_wait_s:g} s"
+            return PushOutcome(429, why, wait, "held")
+        task = asyncio.current_task()
+        assert task is not None
+        self._phases[task] = Phase.WAITING
+        try:
+            with queue.track(delivery) as record:
+                [received] = await self.ledger.note_received([delivery], queue.lease_s)
+                await self._handle(task, delivery, received)
+        except (StorageError, QueueError) as exc:
+            log.log(logging.WARNING if self.ledger.healthy else logging.DEBUG,
+                    "could not record pushed operation %s: %s", delivery.message.operation_id, exc)
+            return PushOutcome(503, "outcome not recorded (ledger fault)", 5.0, "unavailable")
+        finally:
+            self._phases.pop(task, None)
+        if record.retry_after_s is not None:
+            held = self.budget.snapshot().held_for(time.time()) > 0
+            return PushOutcome(429 if held else 503, "retry wait: deliver again later",
+                               record.retry_after_s, "retry")
+        if not record.acked:  # another delivery of the operation has its attempt
+            return PushOutcome(503, "the operation is in flight", self._busy_s, "busy")
+        return PushOutcome(200, "acked: the outcome is committed")
+
     async def _fetch(self) -> None:
         """Receive as many messages as there are idle workers (plus ``queue.prefetch``, so
         a transport's round trip does not cost pace), in one call; never more, so no
@@ -173,6 +222,7 @@ class ConsumerPool:
                 continue
             blocked = 0
             if not deliveries:
+                self._empty_at = time.time()
                 await self.queue.wait(poll_s)
                 if not self.caps.stats:  # a billed transport: empty polls back off
                     poll_s = min(IDLE_POLL_MAX_S, poll_s * 2)
@@ -202,6 +252,27 @@ class ConsumerPool:
         finally:
             for i, d in enumerate(fresh):
                 self._inbox.put_nowait((d, received[i] if received else None))
+        dues = [r.operation.due_at for r in received or () if r.operation and r.operation.due_at]
+        if dues:
+            self._frontier.append((time.time(), max(dues)))
+            while len(self._frontier) > FRONTIER_SAMPLES:
+                self._frontier.popleft()
+
+    def redrive_horizon(self, grace_s: float) -> float | None:
+        """What redrive may call passed by: messages due before the horizon that nothing
+        has touched since have been overtaken, so they were lost. The due time of what
+        was being received ``grace_s`` ago; or now less the grace when nothing has been
+        there to receive for that long. None while the budget holds every worker (nothing
+        is delivered, nothing is overtaken) or no sample is old enough."""
+        now = time.time()
+        if not self.running or self.budget.snapshot().held_for(now) > 0:
+            return None
+        cutoff = now - grace_s
+        last = self._frontier[-1][0] if self._frontier else 0.0
+        if self._empty_at > last and last < cutoff and self._empty_at >= cutoff:
+            return cutoff  # starved: everything still waiting was lost
+        older = [due for at, due in self._frontier if at <= cutoff]
+        return max(older) if older else None
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -254,10 +325,11 @@ class ConsumerPool:
             try:
                 await self._handle(task, delivery, received)
             except asyncio.CancelledError:
-                # Shutdown: hand the message back now, not when its lease runs out. If the
-                # request had left, its attempt stays open and the redelivery treats it as
-                # ambiguous. Queued after any settlement of ours, so an ack wins.
-                await asyncio.shield(self.courier.hand_back(delivery))
+                # Shutdown: hand the message back now, not when its lease runs out (unless
+                # it was acked or published again already). If the request had left, its
+                # attempt stays open and the redelivery treats it as ambiguous.
+                if delivery.receipt not in self._moved:
+                    await asyncio.shield(self.courier.hand_back(delivery))
                 raise
             except (StorageError, QueueError) as exc:
                 # Nothing was acked: the lease expires and the message comes back. A
@@ -269,6 +341,7 @@ class ConsumerPool:
                 await self._backoff_storage()
             finally:
                 self._held.pop(delivery.message.operation_id, None)
+                self._moved.discard(delivery.receipt)
                 metrics.WORKERS_BUSY.dec()
         self._phases[task] = Phase.IDLE
 
@@ -306,9 +379,20 @@ class ConsumerPool:
         if early > EARLY_S and not op.unfinished_attempt:
             # Its retry is not due: a repost's predecessor, delivered again because its
             # ack was lost. Wait as the retry asked.
-            await self.courier.defer(delivery, early)
+            await self._defer(delivery, early)
             return
         await self._attempt(task, delivery, op)
+
+    async def _defer(self, delivery: Delivery, delay_s: float) -> None:
+        """Publish the message again for ``delay_s`` from now and ack this copy; a
+        shutdown does not cut it short, and nothing is handed back after it."""
+        self._moved.add(delivery.receipt)
+        move = asyncio.ensure_future(self.courier.defer(delivery, delay_s))
+        try:
+            await asyncio.shield(move)
+        except asyncio.CancelledError:
+            await asyncio.wait([move])
+            raise
 
     async def _ready_within_lease(self, delivery: Delivery) -> bool:
         """Wait while the budget holds every worker (a pause, a spent quota). Without
@@ -317,11 +401,15 @@ class ConsumerPool:
         if self.caps.extend:
             await self.budget.ready()
             return True
+        if self.budget.snapshot().held_for(time.time()) <= 0:
+            return True  # nothing holds: no wait, whatever is left of the lease
         held = self._held.get(delivery.message.operation_id)
         lease_s = self.config.queue.lease_seconds
         # Margin: the wait for a token and the request itself come after the hold.
         margin = min(lease_s / 3, self._busy_s)
         left = (lease_s - (time.monotonic() - held[1]) if held else 0.0) - margin
+        if left <= 0:
+            return False
         try:
             async with asyncio.timeout(max(0.0, left)):
                 await self.budget.ready()
@@ -343,8 +431,7 @@ class ConsumerPool:
             if not await self._ready_within_lease(delivery):
                 # The message would become visible again while we wait: publish it again
                 # for when the hold ends, and let this worker go.
-                hold = self.budget.snapshot().held_for(time.time())
-                await asyncio.shield(self.courier.defer(delivery, hold))
+                await self._defer(delivery, self.budget.snapshot().held_for(time.time()))
                 return
             # Writing the attempt is not cut short by a shutdown (it may commit all the
             # same); the wait for the token after it is, and closes the attempt unsent.
@@ -440,14 +527,22 @@ class ConsumerPool:
             status=answer.status if answer else None,
             outcome=answer.verdict.value if answer else None,
             detail=answer.detail if answer else None, refund_attempt=refund)
-        # Neither the commit nor the ack after it may be torn by a shutdown cancelling
-        # this worker: both run in a task of their own, awaited to the end either way.
-        commit = asyncio.ensure_future(self._commit(settlement))
+        # The commit must not be torn by a shutdown cancelling this worker: it runs in a
+        # task of its own, awaited to the end either way. What the transport still needs
+        # after it may be cut short (a lost ack is redelivered and acked on sight).
+        commit = asyncio.ensure_future(self.ledger.settle([settlement]))
         try:
-            await asyncio.shield(commit)
+            leftover = await asyncio.shield(commit)
         except asyncio.CancelledError:
             await asyncio.wait([commit])
+            if disposition is Disposition.ACK:
+                # Settled, its ack not sent: it comes back and is acked on sight; a copy
+                # handed back now would only be one more.
+                self._moved.add(delivery.receipt)
             raise
+        if disposition is not Disposition.KEEP:
+            self._moved.add(delivery.receipt)
+        await self.courier.follow_up(leftover)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("operation %s -> %s (%s)", op.id, target.value,
                       answer.detail if answer else reason,
@@ -457,7 +552,3 @@ class ConsumerPool:
             self.settled += 1
             self._on_settled()
 
-    async def _commit(self, settlement: Settlement) -> None:
-        """The outcome, then what the transport still needs (ack after commit)."""
-        leftover = await self.ledger.settle([settlement])
-        await self.courier.follow_up(leftover)

@@ -94,7 +94,7 @@ async def run_demo(opts: DemoOptions) -> int:
         async with contextlib.AsyncExitStack() as stack:
             sandbox = await stack.enter_async_context(
                 sandbox_process(sandbox_args, partner_token))
-            queue_env: dict[str, str] = {}
+            queue_env = {"CLEANUP__QUEUE__BACKEND": "sqlite"}
             emulator: SandboxProcess | None = None
             control_key = secrets.token_urlsafe(24)
             if opts.queue == "infrai":
@@ -105,7 +105,6 @@ async def run_demo(opts: DemoOptions) -> int:
                              "CLEANUP__INFRAI__BASE_URL": emulator.url,
                              "INFRAI_API_KEY": infrai_key}
             environ = {
-                **queue_env,
                 **os.environ,
                 "CUSTOMER_API_TOKEN": partner_token,
                 "CLEANUP_TRIGGER_TOKEN": trigger_token,
@@ -116,6 +115,9 @@ async def run_demo(opts: DemoOptions) -> int:
                 "CLEANUP__SOURCE__TOKEN_ENV": "CUSTOMER_API_TOKEN",
                 "CLEANUP__PARTNER__BASE_URL": sandbox.url,
                 "CLEANUP__PARTNER__REQUEST_TIMEOUT_SECONDS": "2",
+                # Last: an INFRAI_API_KEY or queue setting of the caller's own must not
+                # send the demo to a real account.
+                **queue_env,
             }
             cfg = config.load(opts.config_path, environ)
             service = Service(cfg)

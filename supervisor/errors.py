@@ -77,3 +77,13 @@ class QueueBlocked(QueueError):
 
 class MessageTooLarge(QueueError):
     """A message over the transport's size limit, refused before it was sent."""
+
+
+class PartialPublish(QueueError):
+    """Some messages of a publish were stored, some not: ``ids`` holds a message ID for
+    each one stored (None for the others), so what was published can be recorded."""
+
+    def __init__(self, ids: list[str | None], cause: BaseException) -> None:
+        self.ids = ids
+        self.cause = cause
+        super().__init__(f"{sum(i is not None for i in ids)} of {len(ids)} published: {cause}")

@@ -16,10 +16,12 @@ import orjson
 from aiohttp import web
 from prometheus_async.aio.web import server_stats
 
+from supervisor import metrics
 from supervisor.config import Config
 from supervisor.errors import IllegalTransition
 from supervisor.ledger.base import Ledger, Operation, Run
 from supervisor.openapi import DOCUMENT, PRINTABLE, TICK_KEY
+from supervisor.push import PushReceiver, PushRejected, answer_body, parse_delivery, verify
 from supervisor.reconcile import RESOLUTIONS, Reconciler
 from supervisor.runs import RunOpener, Tick
 from supervisor.sources import check_recipient_id
@@ -44,6 +46,8 @@ class ApiState:
     runs_changed: asyncio.Condition
     current_rate: Callable[[], float]
     accepting: bool = True
+    # Push delivery (POST /v1/push/{queue}); None: not configured, the route answers 404.
+    push: PushReceiver | None = None
 
 
 API = web.AppKey("api", ApiState)
@@ -357,6 +361,38 @@ async def resolve_operation(request: web.Request) -> web.Response:
     return _json({"id": op_id, "state": target.value})
 
 
+async def post_push(request: web.Request) -> web.Response:
+    """One Infrai push delivery. The signature is the authentication: nothing is read
+    from a body it does not cover, and nothing is written for a rejected delivery."""
+    api = request.app[API]
+    receiver = api.push
+    if receiver is None:
+        raise ApiError(404, "push delivery is not configured here")
+    body = await request.read()  # past service.max_body_bytes: 413 from the middleware
+    try:
+        verify(receiver.settings, request.headers, body, time.time())
+        handler = receiver.handlers.get(request.match_info["queue"])
+        if handler is None:
+            raise PushRejected(404, f"no push subscription for queue "
+                                    f"{request.match_info['queue']!r} here", "unknown_queue")
+        delivery = parse_delivery(body)
+    except PushRejected as exc:
+        metrics.PUSH_DELIVERIES.labels(exc.result).inc()
+        raise ApiError(exc.status, exc.message) from None
+    if not api.accepting or not api.ledger.healthy:
+        metrics.PUSH_DELIVERIES.labels("unavailable").inc()
+        why = "shutting down" if not api.accepting else "ledger cannot commit"
+        response = _error(503, f"{why}; deliver again later")
+        response.headers["Retry-After"] = "5"
+        return response
+    outcome = await handler.handle_pushed(delivery)
+    metrics.PUSH_DELIVERIES.labels(outcome.result).inc()
+    response = _json(answer_body(outcome, delivery), outcome.status)
+    if outcome.retry_after is not None:
+        response.headers["Retry-After"] = outcome.retry_after
+    return response
+
+
 async def healthz(request: web.Request) -> web.Response:
     return _json({"ok": True})
 
@@ -386,6 +422,7 @@ def create_app(state: ApiState) -> web.Application:
     app.router.add_get("/v1/operations", list_all_operations)
     app.router.add_get("/v1/operations/{operation_id}", get_operation)
     app.router.add_post("/v1/operations/{operation_id}/resolve", resolve_operation)
+    app.router.add_post("/v1/push/{queue}", post_push)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)

@@ -120,3 +120,27 @@ def count_settled(target: str) -> None:
         AMBIGUOUS_ENTERED.inc()
     elif target in ("deleted", "already_absent", "failed"):
         OPERATIONS.labels(target).inc()
+
+
+PUSH_DELIVERIES = Counter(
+    "cleanup_push_deliveries",
+    "Infrai push deliveries to /v1/push/{queue}, by answer: accepted (2xx, after the commit); "
+    "retry, held, busy, unavailable (non-2xx with Retry-After: delivered again later); "
+    "unsigned, bad_signature, stale, malformed, unknown_queue (refused, nothing written).",
+    ["result"])
+
+# Completion events (supervisor/events/): one series per configured sink.
+EVENTS_LAG = Gauge(
+    "cleanup_events_sink_lag_events",
+    "Events in the outbox a sink has not acknowledged yet.", ["sink"])
+EVENTS_LAG_SECONDS = Gauge(
+    "cleanup_events_sink_lag_seconds",
+    "Age of the oldest event a sink has not acknowledged; 0 when it is caught up.", ["sink"])
+EVENTS_DELIVERED = Counter(
+    "cleanup_events_delivered",
+    "Events a sink acknowledged (a batch sent again after a restart counts again).", ["sink"])
+EVENTS_FAILURES = Counter(
+    "cleanup_events_sink_failures",
+    "Deliveries to a sink that failed (each try of a batch), retried with backoff.", ["sink"])
+EVENTS_PRUNED = Counter(
+    "cleanup_events_pruned", "Events every sink had taken, removed from the outbox.")

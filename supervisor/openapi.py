@@ -23,6 +23,7 @@ TICK_KEY = r"^[!-~]{1,200}$"
 def _errors(*codes: int) -> dict[str, Any]:
     text = {400: "bad request", 401: "missing or wrong token", 404: "not found",
             409: "conflict", 413: "body too large", 415: "body must be JSON",
+            429: "held by the partner's limit: deliver again after Retry-After",
             503: "not accepting (shutting down or ledger fault)"}
     return {str(c): {"description": text[c],
                      "content": {"application/json": {"schema": _ERROR}}} for c in codes}
@@ -132,6 +133,37 @@ DOCUMENT: dict[str, Any] = {
                               **_errors(400, 401, 404, 409, 413, 415)},
             },
         },
+        "/v1/push/{queue}": {
+            "post": {
+                "security": [],
+                "summary": "One Infrai push delivery of a subscribed queue's message",
+                "description": (
+                    "Authenticated by its signature, not a bearer token: the signature "
+                    "header (infrai.push_signature_header) carries the hex HMAC-SHA256, "
+                    "optionally prefixed 'sha256=', of '<timestamp>.' + body (or of the "
+                    "body alone, infrai.push_signature_scheme = 'body') with the push "
+                    "secret; the timestamp (Unix seconds) must be within the tolerance. "
+                    "A 2xx acknowledges the delivery only after the ledger committed its "
+                    "outcome; 429 (the limiter holds) and 503 (a retry wait, a fault) carry "
+                    "Retry-After and mean: deliver it again later."),
+                "parameters": [
+                    {"name": "queue", "in": "path", "required": True,
+                     "schema": {"type": "string"}},
+                    {"name": "X-Infrai-Signature", "in": "header", "required": False,
+                     "description": "default name; required in fact (401 without it)",
+                     "schema": {"type": "string"}},
+                    {"name": "X-Infrai-Timestamp", "in": "header", "required": False,
+                     "description": "default name; Unix seconds, signed with the body",
+                     "schema": {"type": "string"}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/PushDelivery"}}}},
+                "responses": {
+                    **_ok("acknowledged: the outcome is committed (or there was nothing "
+                          "to do: a settled or unknown operation)",
+                          {"$ref": "#/components/schemas/PushAck"}),
+                    **_errors(400, 401, 404, 413, 429, 503)},
+            },
+        },
         "/healthz": {"get": {"security": [], "summary": "liveness",
                              "responses": _ok("alive", {"type": "object"})}},
         "/readyz": {"get": {"security": [], "summary": "readiness", "responses": {
@@ -201,6 +233,25 @@ DOCUMENT: dict[str, Any] = {
                                    "items": {"$ref": "#/components/schemas/Operation"}},
                     "next_after": {"type": ["integer", "null"]},
                 },
+            },
+            "PushDelivery": {
+                "type": "object", "required": ["message_id"],
+                "properties": {
+                    "message_id": {"type": "string", "minLength": 1, "maxLength": 500},
+                    "payload": {"$ref": "#/components/schemas/PushPayload"},
+                    "body": {"$ref": "#/components/schemas/PushPayload"},
+                },
+            },
+            "PushPayload": {
+                "type": "object", "required": ["run_id", "operation_id", "recipient_id"],
+                "properties": {k: {"type": "string", "minLength": 1, "maxLength": 500}
+                               for k in ("run_id", "operation_id", "recipient_id")},
+            },
+            "PushAck": {
+                "type": "object", "required": ["ok", "message_id", "operation_id"],
+                "properties": {"ok": {"type": "boolean"}, "message_id": {"type": "string"},
+                               "operation_id": {"type": "string"},
+                               "result": {"type": "string"}},
             },
             "Resolution": {
                 "type": "object", "additionalProperties": False,

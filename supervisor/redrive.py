@@ -1,10 +1,14 @@
 """The queue is transport, the ledger is truth: republish what the queue has lost.
 
 Decided from ledger state and age alone, so it works with a transport that cannot be
-asked what it holds: an unsettled operation is overdue when no message of it is live and
-its retry is due, or when nothing has delivered, held or changed it for the grace period
-plus the time the backlog ahead of it needs at the current rate (a long drain ages the
-tail of the queue legitimately; republishing it would only double the traffic).
+asked what it holds. An unsettled operation is overdue when no message of it is live and
+its retry is due, or when it has been passed by: nothing has touched it (due, delivered,
+held, changed) since a moment the consumers have since moved beyond. That moment is the
+consumers' horizon (:meth:`supervisor.consumer.ConsumerPool.redrive_horizon`): the due
+time of what they were receiving ``redrive_grace_seconds`` ago, or, when they have had
+nothing to receive for that long, now less the grace. A long drain ages the tail of the
+queue legitimately, and a pause delivers nothing; neither is a loss, and republishing
+them would only multiply the traffic.
 """
 
 from __future__ import annotations
@@ -25,19 +29,20 @@ log = logging.getLogger(__name__)
 PAGE = 1000
 # A retry whose repost is a moment behind its commit is not lost yet.
 UNPOSTED_GRACE_S = 10.0
-# Allow twice the time the backlog needs: the rate moves, and workers hold messages.
-BACKLOG_FACTOR = 2.0
+MAX_PAGES = 1000
 
 
 class Redriver:
     """Every ``redrive_interval_seconds``, publishes again each overdue operation."""
 
     def __init__(self, config: QueueConfig, ledger: Ledger, queue: Queue,
-                 rate: Callable[[], float]) -> None:
+                 horizon: Callable[[float], float | None] | None = None) -> None:
         self.config = config
         self.ledger = ledger
+        self.queue = queue
         self.courier = Courier(ledger, queue)
-        self._rate = rate
+        # Without consumers to ask (tests, tools): the plain age rule.
+        self._horizon = horizon or (lambda grace: time.time() - grace)
 
     async def run(self) -> None:
         while True:
@@ -46,16 +51,17 @@ class Redriver:
 
     async def sweep(self) -> int:
         """One pass over the ledger; returns how many operations were published again."""
+        if not self.queue.healthy:
+            return 0  # a transport that refuses us takes no publish either
         now = time.time()
-        backlog = await self.ledger.queue_stats()
-        ahead = backlog.depth + backlog.leased
-        before = now - self.config.redrive_grace_seconds \
-            - BACKLOG_FACTOR * ahead / max(self._rate(), 1e-3)
-        after = 0
+        before = self._horizon(self.config.redrive_grace_seconds)
         total = 0
-        while page := await self.ledger.overdue(before, now - UNPOSTED_GRACE_S, after, PAGE):
-            after = page[-1][0]
-            lost = [m for _, m in page]
+        # Each page published is recorded (touched now, a live message): the next query
+        # does not return it again.
+        for _ in range(MAX_PAGES):
+            lost = await self.ledger.overdue(before, now - UNPOSTED_GRACE_S, PAGE)
+            if not lost:
+                break
             await self.courier.publish(lost)
             total += len(lost)
             metrics.REDRIVEN.inc(len(lost))

@@ -113,7 +113,7 @@ class Publisher:
         while True:
             self._wakeup.clear()
             while batch := await self.ledger.unpublished(PUBLISH_BATCH):
-                await self.courier.publish(batch)
+                await self.courier.publish(batch, outbox=True)
             with contextlib.suppress(TimeoutError):
                 # The timeout is a safety net for writes made by another process.
                 async with asyncio.timeout(30):

@@ -29,11 +29,14 @@ from supervisor.errors import (
     StorageError,
     TooManyCrashes,
 )
+from supervisor.events.relay import EventRelay
 from supervisor.http import ApiState, create_app
+from supervisor.infrai.push import push_settings
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient
+from supervisor.push import PushedQueue, PushReceiver
 from supervisor.queue.base import Queue
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.queue.sqlite import SqliteQueue
@@ -136,9 +139,21 @@ class Service:
         publisher = Publisher(ledger, queue, publish_wakeup)
         opener = RunOpener(c, ledger, scan_wakeup)
         reconciler = Reconciler(c.partner, ledger, queue, budget, partner)
-        redriver = Redriver(c.queue, ledger, queue, rate=lambda: budget.snapshot().rate)
-        pool = self.pool = ConsumerPool(c, ledger, queue, budget, partner,
-                                        on_settled=monitor.settled.set)
+        relay = EventRelay(c.events, c.infrai, ledger)
+
+        def settled() -> None:
+            monitor.settled.set()
+            relay.notify()  # the events just written go out now, not at the next poll
+
+        # Pushed: the pool works what Infrai POSTs to /v1/push/{queue}, answering instead
+        # of acking; its fetcher finds nothing to pull. Everything else publishes to Infrai.
+        pushed = push_settings(c.infrai) if c.infrai.delivery == "push" else None
+        pool_queue: Queue = (queue if pushed is None else
+                             PushedQueue(pushed.visibility_timeout_s, pushed.max_wait_s))
+        pool = self.pool = ConsumerPool(c, ledger, pool_queue, budget, partner,
+                                        on_settled=settled)
+        push = None if pushed is None else PushReceiver(pushed, {c.infrai.queue: pool})
+        redriver = Redriver(c.queue, ledger, queue, horizon=pool.redrive_horizon)
 
         def ready() -> tuple[bool, dict[str, bool]]:
             checks = {"ledger": ledger.healthy, "queue": queue.healthy,
@@ -148,7 +163,8 @@ class Service:
             return ok, checks
 
         api = ApiState(config=c, ledger=ledger, opener=opener, reconciler=reconciler, ready=ready,
-                       runs_changed=runs_changed, current_rate=lambda: budget.snapshot().rate)
+                       runs_changed=runs_changed, current_rate=lambda: budget.snapshot().rate,
+                       push=push)
         runner = web.AppRunner(create_app(api), access_log=None, handle_signals=False)
         await runner.setup()
         try:
@@ -175,6 +191,10 @@ class Service:
             ("consumers", pool.run),
             ("redrive", redriver.run),
         ]
+        # One component per events sink (a sink that is down delays only itself) and one
+        # for their lag gauges and the outbox's retention.
+        await relay.start()
+        components += relay.components()
         if c.partner.probe_path:
             components.append(("reconcile", reconciler.run))
         if c.schedule.cron is not None and c.schedule.clock == "embedded":
@@ -207,6 +227,8 @@ class Service:
             tasks["consumers"].cancel()
             # 3. the monitor last, after a final pass so closed runs are recorded
             tasks["monitor"].cancel()
+            for name in relay.names:  # undelivered events wait in the outbox for the next life
+                tasks[name].cancel()
         with contextlib.suppress(Exception):
             await ledger.finish_runs()
         with contextlib.suppress(Exception):
@@ -215,6 +237,7 @@ class Service:
         await runner.cleanup()
         await partner.close()
         await queue.close()
+        await relay.close()
         if tick_queue is not None:
             await tick_queue.close()
         await db.close()

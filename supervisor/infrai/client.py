@@ -30,6 +30,9 @@ from supervisor.partner import parse_retry_after
 log = logging.getLogger(__name__)
 
 BLOCKING = {401: "UNAUTHORIZED", 403: "FORBIDDEN", 402: "INSUFFICIENT_CREDIT"}
+# Error codes of an ok:false answer that say "try again" (no list is documented).
+RETRYABLE = frozenset({"", "INTERNAL", "INTERNAL_ERROR", "SERVICE_UNAVAILABLE", "TIMEOUT",
+                       "UNAVAILABLE", "RATE_LIMITED", "BAD_GATEWAY"})
 
 
 class InfraiError(QueueError):
@@ -57,7 +60,6 @@ class InfraiClient:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
         self.blocked: str | None = None  # the code that blocks us, while it does
-        self.calls = 0
 
     async def start(self) -> None:
         if self.config.token is None:
@@ -96,7 +98,6 @@ class InfraiClient:
         attempt = 0
         while True:
             attempt += 1
-            self.calls += 1
             result = await self._try(name, method, path.lstrip("/"),
                                      data if method == "POST" else None, headers)
             if not isinstance(result, _Failure):
@@ -136,13 +137,15 @@ class InfraiClient:
         if envelope is None:
             return _Failure(True, None, QueueError(
                 f"Infrai {name}: HTTP {status} answer is not the Infrai envelope: {raw[:200]!r}"))
-        if status >= 500 or envelope.get("ok") is not True:
+        if status >= 400 or envelope.get("ok") is not True:
             code, message, hint = _error(envelope)
-            if status >= 500 or status < 400:
-                # ok:false with a 2xx, or any 5xx: the service's own trouble, retried.
+            if status >= 500 or (status < 400 and code in RETRYABLE):
+                # Any 5xx, or ok:false with a 2xx naming the service's own trouble (or
+                # naming nothing): retried. A 4xx fails whatever its body says.
                 return _Failure(True, None, QueueError(
                     f"Infrai {name}: HTTP {status} {code or 'not ok'}: {message}"))
-            return _Failure(False, None, InfraiError(name, status, code, message, hint))
+            return _Failure(False, None, InfraiError(name, status, code or "NOT_OK",
+                                                     message, hint))
         return envelope.get("data")
 
     def _block(self, code: str, status: int, hint: str) -> None:

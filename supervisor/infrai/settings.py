@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -51,6 +55,26 @@ class InfraiConfig:
     backoff_initial_seconds: float = 0.2
     backoff_max_seconds: float = 10.0
     max_retry_after_seconds: float = 300.0
+    # "push": Infrai POSTs each message of `queue` to this service's /v1/push/{queue}
+    # (registered by `infrai push subscribe`) and nothing is pulled. Infrai delivers only
+    # to public HTTPS URLs. A delivery's body, headers and signature are undocumented:
+    # each choice below is a key.
+    delivery: Literal["pull", "push"] = "pull"
+    push_url: str = ""  # the public URL of /v1/push/{queue} ({queue}: the queue's name)
+    # The signing secret given to Infrai: from $INFRAI_PUSH_SECRET or ..._FILE.
+    push_secret_env: str = "INFRAI_PUSH_SECRET"
+    push_secret: Secret | None = None  # resolved from push_secret_env, never from the file
+    push_signature_header: str = "X-Infrai-Signature"
+    push_signature_prefix: str = "sha256="  # stripped when present; bare hex accepted too
+    push_timestamp_header: str = "X-Infrai-Timestamp"
+    # timestamp.body: HMAC-SHA256 of "<timestamp>." + body, the timestamp required and
+    # within the tolerance; body: of the raw body alone.
+    push_signature_scheme: Literal["timestamp.body", "body"] = "timestamp.body"
+    push_timestamp_tolerance_seconds: float = 300.0
+    push_visibility_timeout: int = 60  # the lease of one delivery, subscribed with it
+    # A delivery the limiter would hold longer than this is answered 429 + Retry-After
+    # at once instead of holding the connection (below push_visibility_timeout).
+    push_max_wait_seconds: float = 5.0
 
     @property
     def dlq(self) -> str:
@@ -78,4 +102,36 @@ class InfraiConfig:
             out.append(f"infrai.cron_retries must be >= 0, got {self.cron_retries}")
         if "{queue}" not in self.redrive_path:
             out.append(f"infrai.redrive_path must contain {{queue}}, got {self.redrive_path!r}")
+        out += _positive("infrai", self, "push_timestamp_tolerance_seconds",
+                         "push_visibility_timeout", "push_max_wait_seconds")
+        if self.push_max_wait_seconds >= self.push_visibility_timeout > 0:
+            out.append(f"infrai.push_max_wait_seconds ({self.push_max_wait_seconds:g}) must be "
+                       f"below infrai.push_visibility_timeout ({self.push_visibility_timeout})")
+        if self.push_url and urlsplit(self.push_url).scheme not in ("http", "https"):
+            out.append(f"infrai.push_url must be an http(s) URL, got {self.push_url!r}")
+        for name in ("push_signature_header", "push_timestamp_header"):
+            if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", getattr(self, name)):
+                out.append(f"infrai.{name} must be an HTTP header name, got "
+                           f"{getattr(self, name)!r}")
         return out
+
+
+def resolve_push_secret(c: InfraiConfig, env: Mapping[str, str]) -> tuple[InfraiConfig, list[str]]:
+    """``push_secret`` from ``$push_secret_env`` (or the file ``$<VAR>_FILE`` names); its
+    absence is a problem only when deliveries are pushed (they cannot be verified)."""
+    var, where = c.push_secret_env, "infrai.push_secret_env"
+    value, problem = "", ""
+    if var and var in env:
+        value = env[var].strip()
+        problem = "" if value else f"{where}: ${var} is empty"
+    elif var and f"{var}_FILE" in env:
+        try:
+            value = Path(env[f"{var}_FILE"]).read_text(encoding="utf-8").strip()
+            problem = "" if value else f"{where}: ${var}_FILE is empty"
+        except OSError as exc:
+            problem = f"{where}: ${var}_FILE cannot be read: {exc.strerror}"
+    elif c.delivery == "push":
+        problem = (f"{where}: ${var} (or ${var}_FILE) is not set; infrai.delivery = 'push' "
+                   "verifies every delivery with it")
+    resolved = dataclasses.replace(c, push_secret=Secret(value)) if value else c
+    return resolved, [problem] if problem else []

@@ -159,8 +159,11 @@ class Ledger(Protocol):
     async def unpublished(self, limit: int) -> list[Message]:
         """Operations discovered but not yet handed to the queue (the outbox)."""
 
-    async def record_published(self, published: Sequence[Published]) -> None:
-        """Record each operation's live message; a discovered operation becomes queued."""
+    async def record_published(self, published: Sequence[Published],
+                               outbox: bool = False) -> None:
+        """Record each operation's live message; a discovered operation becomes queued.
+        ``outbox``: the first publish, recorded only while the operation is still
+        discovered (a consumer that had the message first keeps its bookkeeping)."""
 
     async def note_received(self, deliveries: Sequence[Delivery],
                             lease_s: float) -> list[Received]:
@@ -201,11 +204,11 @@ class Ledger(Protocol):
     async def operations_in_state(self, state: OpState, after: int,
                                   limit: int) -> list[tuple[int, Operation]]: ...
 
-    async def overdue(self, before: float, unposted_before: float, after: int,
-                      limit: int) -> list[tuple[int, Message]]:
+    async def overdue(self, before: float | None, unposted_before: float,
+                      limit: int) -> list[Message]:
         """Unsettled operations whose message must be published again (redrive): none is
-        live and the retry is due by ``unposted_before``, or nothing has delivered, held
-        or changed them since ``before``."""
+        live and the retry is due by ``unposted_before``, or nothing has been due,
+        delivered, held or changed since ``before`` (None: only the first rule)."""
 
     async def queue_stats(self) -> QueueStats:
         """The queue as the ledger sees it, for a transport that cannot report its own."""
@@ -222,3 +225,51 @@ class Ledger(Protocol):
         """Replace what is saved for ``key``; durable when the call returns."""
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One row of the events outbox: identifiers and an outcome, never a profile.
+
+    ``seq`` orders the outbox and is what a sink's cursor holds; ``id`` is the stable
+    event ID a receiver deduplicates on (the same on every delivery of the event).
+    """
+
+    seq: int
+    id: str
+    kind: str  # "operation.settled" | "run.finished"
+    at: float
+    run_id: str
+    operation_id: str | None = None
+    recipient_id: str | None = None
+    outcome: str | None = None  # the operation's settled state
+    counts: Mapping[str, int] | None = None  # a finished run's operations by state
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """What a sink has not taken yet: how many events, and when the oldest was written."""
+
+    events: int
+    oldest_at: float | None
+
+
+class EventOutbox(Protocol):
+    """The events outbox: written by the ledger with every settlement and finished run, in
+    the same transaction; read by the sinks, each past its own cursor."""
+
+    async def events_after(self, seq: int, limit: int) -> list[Event]:
+        """Up to ``limit`` events after ``seq``, oldest first (an indexed range read)."""
+
+    async def event_cursor(self, sink: str) -> int:
+        """The last event ``sink`` acknowledged; 0 for a sink never seen."""
+
+    async def save_event_cursor(self, sink: str, seq: int) -> None:
+        """Record that ``sink`` took every event up to ``seq``; a cursor never moves back."""
+
+    async def event_backlog(self, after: int) -> Backlog:
+        """The events after ``after`` (a sink's cursor): their number and the oldest's time."""
+
+    async def prune_events(self, sinks: Sequence[str], before: float, limit: int) -> int:
+        """Delete at most ``limit`` events that every one of ``sinks`` has taken and that
+        were written before ``before``; returns how many went."""

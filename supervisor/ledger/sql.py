@@ -87,6 +87,29 @@ CREATE TABLE IF NOT EXISTS budget_memory (
     state TEXT NOT NULL,
     updated_at REAL NOT NULL
 );
+
+-- The events outbox: one row per settled operation or finished run, written in the
+-- transaction of that change. AUTOINCREMENT: a seq is never handed out twice, even after
+-- pruning emptied the table, so no cursor can skip a new event; with one writer it is
+-- also commit order and gapless (a rolled-back insert gives its number back).
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- outbox order: what a sink's cursor holds
+    id TEXT NOT NULL,                       -- the stable event ID receivers dedupe on
+    kind TEXT NOT NULL,                     -- operation.settled | run.finished
+    at REAL NOT NULL,
+    run_id TEXT NOT NULL,
+    operation_id TEXT,
+    recipient_id TEXT,
+    outcome TEXT,                           -- the operation's settled state
+    counts TEXT                             -- JSON, a finished run's operations by state
+);
+
+-- One cursor per sink: the last event it acknowledged.
+CREATE TABLE IF NOT EXISTS event_cursors (
+    sink TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    updated_at REAL NOT NULL
+);
 """
 
 # Only the unsettled operations: what the queue gauges and redrive read every second or
@@ -206,11 +229,20 @@ SELECT_UNPUBLISHED = (
 SELECT_OP_STATE = "SELECT state, attempts, owner, busy_until FROM operations WHERE id = ?"
 # A message is out there for the operation (the outbox's publish, a repost with a delay,
 # a redrive). A discovered operation becomes queued; any other keeps its state.
+# Never brings a due time forward: a copy handed back or redriven does not cut a retry's
+# wait short. A deliberate move of the message starts the poison count again.
 RECORD_PUBLISHED = (
-    "UPDATE operations SET message_id = :message_id, published_at = :now, due_at = :due_at,"
-    " leased_until = NULL, updated_at = :now,"
-    " state = CASE state WHEN 'discovered' THEN 'queued' ELSE state END "
+    "UPDATE operations SET message_id = :message_id, published_at = :now,"
+    " due_at = MAX(COALESCE(due_at, 0), :due_at), leased_until = NULL, updated_at = :now,"
+    " receives = 0, state = CASE state WHEN 'discovered' THEN 'queued' ELSE state END "
     "WHERE id = :id AND state IN ('discovered', 'queued', 'retry_wait', 'in_flight')"
+)
+# The outbox's record comes after its publish: a consumer may have had the message and
+# moved the operation on (even reposted it) meanwhile. Then that bookkeeping stands.
+RECORD_OUTBOX = (
+    "UPDATE operations SET message_id = COALESCE(message_id, :message_id),"
+    " published_at = :now, due_at = COALESCE(due_at, :due_at), updated_at = :now,"
+    " state = 'queued' WHERE id = :id AND state = 'discovered'"
 )
 # A delivery arrived, of the live message or of another copy (a repost's predecessor
 # whose ack was lost, a publish a killed process never recorded): every copy is the same
@@ -246,11 +278,12 @@ LEDGER_QUEUE_STATS = (
 )
 # Redrive, from ledger state and age alone: an unsettled operation with no live message
 # whose retry is due (a wait past the transport's longest delay, a repost that never
-# happened), or one nothing has touched since ``before`` (nothing delivered it, nobody
-# holds it): its message was lost.
+# happened), or one nothing has touched (due, delivered, held, changed) since ``before``:
+# the queue has delivered what was due after it, or delivered nothing while it waited.
+# ``before`` NULL: the age rule is off.
 SELECT_OVERDUE = (
-    "SELECT rowid, run_id, id, recipient_id FROM operations INDEXED BY operations_active "
-    f"WHERE {_ACTIVE} AND rowid > :after AND ("
+    "SELECT run_id, id, recipient_id FROM operations INDEXED BY operations_active "
+    f"WHERE {_ACTIVE} AND ("
     " (message_id IS NULL AND state != 'in_flight' AND due_at <= :unposted_before)"
     " OR MAX(COALESCE(due_at, 0), COALESCE(leased_until, 0), COALESCE(busy_until, 0),"
     " updated_at) <= :before) ORDER BY rowid LIMIT :limit"
@@ -348,4 +381,42 @@ SELECT_BUDGET = "SELECT state FROM budget_memory WHERE key = ?"
 UPSERT_BUDGET = (
     "INSERT INTO budget_memory (key, state, updated_at) VALUES (?, ?, ?) "
     "ON CONFLICT (key) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at"
+)
+
+# events outbox (supervisor/ledger/outbox.py). Identifiers only: the row names the
+# operation, the run and the recipient, and the state the operation settled in.
+INSERT_OPERATION_EVENT = (
+    "INSERT INTO events (id, kind, at, run_id, operation_id, recipient_id, outcome) "
+    "SELECT :event_id, 'operation.settled', :now, run_id, id, recipient_id, state "
+    "FROM operations WHERE id = :id"
+)
+INSERT_RUN_EVENT = (
+    "INSERT INTO events (id, kind, at, run_id, counts) "
+    "SELECT :event_id, 'run.finished', :now, :run_id, json_group_object(state, n) FROM "
+    "(SELECT state, COUNT(*) AS n FROM operations WHERE run_id = :run_id GROUP BY state)"
+)
+EVENT_COLUMNS = "seq, id, kind, at, run_id, operation_id, recipient_id, outcome, counts"
+SELECT_EVENTS_AFTER = f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > ? ORDER BY seq LIMIT ?"
+# The outbox is gapless from its oldest row to its newest: one writer hands out the seqs
+# and pruning only ever removes the oldest. So the backlog past a cursor is the newest seq
+# minus the first one past it, plus one: two lookups on the primary key, no count.
+EVENT_BACKLOG = (
+    "SELECT (SELECT MAX(seq) FROM events) - seq + 1, at FROM events WHERE seq > ? "
+    "ORDER BY seq LIMIT 1"
+)
+SELECT_EVENT_CURSOR = "SELECT seq FROM event_cursors WHERE sink = ?"
+UPSERT_EVENT_CURSOR = (
+    "INSERT INTO event_cursors (sink, seq, updated_at) VALUES (?, ?, ?) "
+    "ON CONFLICT (sink) DO UPDATE SET seq = MAX(seq, excluded.seq), "
+    "updated_at = excluded.updated_at"
+)
+# The oldest events, at most :limit, up to the first that a named sink has not taken (a
+# sink without a cursor yet holds everything; no sink named holds nothing) or that was
+# written at or after :before. Always a prefix of the outbox, which keeps it gapless.
+PRUNE_EVENTS = (
+    "DELETE FROM events WHERE seq IN (SELECT seq FROM events WHERE seq <= MIN("
+    " COALESCE((SELECT MIN(COALESCE(c.seq, 0)) FROM json_each(:sinks) j"
+    "  LEFT JOIN event_cursors c ON c.sink = j.value), 9223372036854775807),"
+    " COALESCE((SELECT seq - 1 FROM events WHERE at >= :before ORDER BY seq LIMIT 1),"
+    "  9223372036854775807)) ORDER BY seq LIMIT :limit)"
 )

@@ -20,7 +20,7 @@ import orjson
 
 from supervisor import states
 from supervisor.errors import OperationBusy, StorageError
-from supervisor.ledger import sql
+from supervisor.ledger import outbox, sql
 from supervisor.ledger.base import (
     Attempt,
     Disposition,
@@ -35,7 +35,7 @@ from supervisor.ledger.base import (
 )
 from supervisor.ledger.database import Database
 from supervisor.queue.base import Delivery, Message, QueueStats
-from supervisor.states import OpState, RunState
+from supervisor.states import SETTLED, OpState, RunState
 
 
 def new_operation_id() -> str:
@@ -71,8 +71,10 @@ def _op(row: sqlite3.Row | tuple[Any, ...], unfinished: bool = False) -> Operati
     )
 
 
-class SqliteLedger:
-    """The :class:`~supervisor.ledger.base.Ledger` on one SQLite :class:`Database`."""
+class SqliteLedger(outbox.OutboxMixin):
+    """The :class:`~supervisor.ledger.base.Ledger` on one SQLite :class:`Database`, and
+    its :class:`~supervisor.ledger.base.EventOutbox`: every settlement and finished run
+    writes its event in its own transaction."""
 
     def __init__(self, db: Database, owns_queue: bool) -> None:
         self.db = db
@@ -162,13 +164,15 @@ class SqliteLedger:
         rows = await self.db.read(sql.SELECT_UNPUBLISHED, (limit,))
         return [Message(run_id=r[0], operation_id=r[1], recipient_id=r[2]) for r in rows]
 
-    async def record_published(self, published: Sequence[Published]) -> None:
+    async def record_published(self, published: Sequence[Published],
+                               outbox: bool = False) -> None:
         now = time.time()
         rows = [{"message_id": p.message_id, "now": now, "due_at": p.due_at,
                  "id": p.operation_id} for p in published]
+        statement = sql.RECORD_OUTBOX if outbox else sql.RECORD_PUBLISHED
 
         async def write(conn: aiosqlite.Connection) -> None:
-            await conn.executemany(sql.RECORD_PUBLISHED, rows)
+            await conn.executemany(statement, rows)
 
         await self.db.write(write)
 
@@ -341,6 +345,8 @@ class SqliteLedger:
         await conn.executemany(sql.RETRY_MESSAGE, [
             (now + s.delay_s, s.operation_id, s.delivery.receipt) for s in settlements
             if s.delivery is not None and s.disposition is Disposition.RETRY])
+        await outbox.record_settled(
+            conn, [s.operation_id for s in settlements if s.target in SETTLED], now)
         return True
 
     async def _settle_each(self, conn: aiosqlite.Connection,
@@ -364,6 +370,8 @@ class SqliteLedger:
                 elif s.disposition is Disposition.RETRY:
                     await conn.execute(sql.RETRY_MESSAGE,
                                        (now + s.delay_s, s.operation_id, token))
+        await outbox.record_settled(
+            conn, [s.operation_id for s in settlements if s.target in SETTLED], now)
 
     def _bookkeeping(self, s: Settlement, now: float) -> dict[str, Any]:
         retry = s.disposition is Disposition.RETRY
@@ -389,6 +397,8 @@ class SqliteLedger:
             await _transition(conn, operation_id, target, reason, count=0, now=now)
             await conn.execute(sql.INSERT_EVIDENCE, (operation_id, op.attempts, kind, now, now,
                                                      status, target.value, detail[:1000]))
+            if target in SETTLED and target is not op.state:  # an inconclusive probe: none
+                await outbox.record_settled(conn, [operation_id], now)
             if target is OpState.QUEUED:
                 await conn.execute(sql.REOPEN_RUN, (op.run_id,))
                 # Due now, with no live message until it is published (redrive's cue
@@ -413,12 +423,11 @@ class SqliteLedger:
         rows = await self.db.read(sql.SELECT_OPERATIONS_BY_STATE, (state.value, after, limit))
         return [(r[0], _op(r[1:])) for r in rows]
 
-    async def overdue(self, before: float, unposted_before: float, after: int,
-                      limit: int) -> list[tuple[int, Message]]:
+    async def overdue(self, before: float | None, unposted_before: float,
+                      limit: int) -> list[Message]:
         rows = await self.db.read(sql.SELECT_OVERDUE, {
-            "before": before, "unposted_before": unposted_before, "after": after,
-            "limit": limit})
-        return [(r[0], Message(run_id=r[1], operation_id=r[2], recipient_id=r[3])) for r in rows]
+            "before": before, "unposted_before": unposted_before, "limit": limit})
+        return [Message(run_id=r[0], operation_id=r[1], recipient_id=r[2]) for r in rows]
 
     async def queue_stats(self) -> QueueStats:
         now = time.time()
@@ -430,8 +439,11 @@ class SqliteLedger:
 
     async def finish_runs(self) -> list[str]:
         async def write(conn: aiosqlite.Connection) -> list[str]:
-            cur = await conn.execute(sql.UPDATE_RUNS_DONE, (time.time(),))
-            return [r[0] for r in await cur.fetchall()]
+            now = time.time()
+            cur = await conn.execute(sql.UPDATE_RUNS_DONE, (now,))
+            done = [r[0] for r in await cur.fetchall()]
+            await outbox.record_finished(conn, done, now)
+            return done
 
         return await self.db.write(write)
 

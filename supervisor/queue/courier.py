@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 
 from supervisor import metrics
-from supervisor.errors import QueueError
+from supervisor.errors import PartialPublish, QueueError
 from supervisor.ledger.base import Disposition, Ledger, Published, Settlement
 from supervisor.queue.base import Delivery, Message, Queue
 
@@ -33,7 +33,8 @@ class Courier:
         self.queue = queue
         self.capabilities = queue.capabilities
 
-    async def publish(self, messages: Sequence[Message], delay_s: float = 0.0) -> None:
+    async def publish(self, messages: Sequence[Message], delay_s: float = 0.0,
+                      outbox: bool = False) -> None:
         """Publish, then record each message as its operation's live one. A delay past
         the transport's longest publishes nothing: redrive does when it is due."""
         if not messages:
@@ -48,9 +49,19 @@ class Courier:
         step = len(messages) if self.capabilities.transactional_ack else RECORD_EVERY
         for i in range(0, len(messages), step):
             chunk = messages[i:i + step]
-            ids = await self.queue.publish(chunk, delay_s)
+            try:
+                ids: list[str | None] = list(await self.queue.publish(chunk, delay_s))
+            except PartialPublish as exc:
+                # Record what was stored (else it is published again, a copy more), then
+                # fail as the transport did.
+                await self.ledger.record_published(
+                    [Published(m.operation_id, mid, due)
+                     for m, mid in zip(chunk, exc.ids, strict=True) if mid is not None],
+                    outbox=outbox)
+                raise
             await self.ledger.record_published([Published(m.operation_id, mid, due)
-                                                for m, mid in zip(chunk, ids, strict=True)])
+                                                for m, mid in zip(chunk, ids, strict=True)],
+                                               outbox=outbox)
 
     async def follow_up(self, settlements: Sequence[Settlement]) -> None:
         """After the ledger committed these outcomes: what their messages still need (for

@@ -23,7 +23,7 @@ import orjson
 
 from supervisor import metrics
 from supervisor.config import InfraiConfig
-from supervisor.errors import MessageTooLarge, QueueError
+from supervisor.errors import MessageTooLarge, PartialPublish, QueueError
 from supervisor.infrai.client import InfraiClient, InfraiError
 from supervisor.queue.base import (
     MAX_DELAY_S,
@@ -102,7 +102,15 @@ class InfraiQueue:
     async def publish(self, messages: Sequence[Message], delay_s: float = 0.0) -> list[str]:
         bodies = [self._body(m, delay_s) for m in messages]
         await self.ensure_queues()
-        ids = await asyncio.gather(*(self._publish_one(b) for b in bodies))
+        results = await asyncio.gather(*(self._publish_one(b) for b in bodies),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            if not isinstance(failed[0], Exception):
+                raise failed[0]  # a cancellation, not a failed publish
+            raise PartialPublish([r if isinstance(r, str) else None for r in results],
+                                 failed[0])
+        ids = [r for r in results if isinstance(r, str)]
         if delay_s > 0 and len(self._due) < MAX_TRACKED_DUE:
             # Taken after the publish returned, so never before Infrai makes it visible.
             heapq.heappush(self._due, time.time() + math.ceil(delay_s) + 0.1)

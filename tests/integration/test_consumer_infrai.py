@@ -6,6 +6,7 @@ nack and extend, redeliveries recognised by the ledger."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -194,8 +195,7 @@ async def test_redrive_publishes_a_message_infrai_lost(rig: Rig) -> None:
     await rig.queue.ack([d])
     while held := await rig.queue.receive(10, 30):  # a consumer holds every other one
         await rig.ledger.note_received(held, 30)
-    redriver = Redriver(QueueConfig(redrive_grace_seconds=0.001), rig.ledger, rig.queue,
-                        rate=lambda: 1e6)
+    redriver = Redriver(QueueConfig(redrive_grace_seconds=0.001), rig.ledger, rig.queue)
     await asyncio.sleep(0.01)  # the grace is wall-clock age, not a synchronisation
     assert await redriver.sweep() == 1
     [again] = await rig.queue.receive(1, 30)
@@ -247,3 +247,22 @@ async def test_queue_gauges_come_from_the_ledger_when_the_transport_has_none(rig
     assert (s.depth, s.parked, s.leased) == (N - 2, 1, 1)
     q = rig.emulator.state.stats()["ops"]
     assert q["delayed"] == 1  # the repost, published with delay_seconds
+
+
+async def test_a_wait_past_seven_days_stays_in_the_ledger_until_due(rig: Rig) -> None:
+    """Infrai delays at most 7 days: a longer wait publishes nothing; the ledger keeps
+    the operation without a live message, and redrive publishes it once it is due."""
+    courier = Courier(rig.ledger, rig.queue)
+    [d] = await rig.queue.receive(1, 30)
+    published = len([c for c in rig.emulator.calls if c["capability"] == "queue.publish"])
+    eight_days = 8 * 86400.0
+    await courier.retry_later(d, eight_days)
+    assert len([c for c in rig.emulator.calls
+                if c["capability"] == "queue.publish"]) == published  # nothing sent
+    op = await rig.ledger.get_operation(d.message.operation_id)
+    assert op is not None
+    assert op.due_at is not None
+    assert op.due_at >= time.time() + eight_days - 5
+    now = time.time()
+    assert d.message not in await rig.ledger.overdue(None, now, 100)  # not due yet
+    assert d.message in await rig.ledger.overdue(None, now + eight_days + 1, 100)

@@ -51,8 +51,7 @@ async def test_redrive_publishes_what_the_queue_lost_and_counts_it(
     conn.commit()
     conn.close()
     before = metrics.REDRIVEN._value.get()
-    redriver = Redriver(QueueConfig(redrive_grace_seconds=0.001), ledger, queue,
-                        rate=lambda: 1e6)
+    redriver = Redriver(QueueConfig(redrive_grace_seconds=0.001), ledger, queue)
     await asyncio.sleep(0.01)  # the grace is wall-clock age of the operation, not a sync
     assert await redriver.sweep() == 1
     assert metrics.REDRIVEN._value.get() == before + 1

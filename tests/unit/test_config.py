@@ -419,3 +419,88 @@ def test_infrai_keys_are_checked(tmp_path: Path) -> None:
     assert "infrai.nack_path must start with '/', got 'v1/queue/nack'" in problems
     assert "infrai.max_batch must be > 0, got 0" in problems
     assert "infrai.redrive_path must contain {queue}, got '/v1/redrive'" in problems
+
+
+# -- [events] and [[events.sink]] ------------------------------------------------------------
+
+EVENTS_TOML = (
+    '[infrai]\nqueue = "ops"\n'
+    '[[events.sink]]\nname = "audit"\nkind = "infrai"\nqueue = "cleanup-events"\n'
+    '[[events.sink]]\nname = "crm"\nkind = "webhook"\nurl = "https://crm.example.com/hook"\n'
+    'secret_env = "CRM_SECRET"\nbatch_size = 20\ntimeout_seconds = 5\n'
+)
+
+
+def test_events_default_to_no_sinks() -> None:
+    events = config.load(None, environ=TOKEN_ENV).events
+    assert events.sink == ()
+    assert (events.poll_interval_seconds, events.backoff_initial_seconds,
+            events.backoff_max_seconds) == (1.0, 0.5, 60.0)
+    assert (events.retain_seconds, events.prune_interval_seconds, events.prune_batch) == \
+        (86400.0, 60.0, 1000)
+
+
+def test_event_sinks_load_as_typed_entries_with_their_secrets(tmp_path: Path) -> None:
+    secret_file = tmp_path / "crm_secret"
+    secret_file.write_text("whsec_from_file\n", encoding="utf-8")
+    env = {**TOKEN_ENV, "INFRAI_API_KEY": "ifr_k", "CRM_SECRET_FILE": str(secret_file),
+           "CLEANUP__EVENTS__POLL_INTERVAL_SECONDS": "0.25"}
+    cfg = config.load(write(tmp_path, EVENTS_TOML), environ=env)
+    audit, crm = cfg.events.sink
+    assert (audit.name, audit.kind, audit.queue, audit.batch_size, audit.secret) == \
+        ("audit", "infrai", "cleanup-events", 100, None)
+    assert (crm.name, crm.kind, crm.url, crm.batch_size, crm.timeout_seconds, crm.signed) == \
+        ("crm", "webhook", "https://crm.example.com/hook", 20, 5.0, "timestamp_body")
+    assert crm.secret == Secret("whsec_from_file")
+    assert "whsec_from_file" not in repr(cfg)
+    assert cfg.events.poll_interval_seconds == 0.25
+    env = {**TOKEN_ENV, "INFRAI_API_KEY": "ifr_k", "CRM_SECRET": "whsec_env"}
+    assert config.load(write(tmp_path, EVENTS_TOML), environ=env).events.sink[1].secret == \
+        Secret("whsec_env")
+
+
+def test_event_sinks_are_checked_each_by_its_key(tmp_path: Path) -> None:
+    path = write(tmp_path, (
+        '[events]\nretain_seconds = -1\nbackoff_initial_seconds = 5\nbackoff_max_seconds = 1\n'
+        '[[events.sink]]\nname = "q"\nkind = "infrai"\n'
+        '[[events.sink]]\nname = "q"\nkind = "webhook"\nurl = "ftp://x"\n'
+        '[[events.sink]]\nname = "bad name"\nkind = "kafka"\n'
+        '[[events.sink]]\nname = "w"\nkind = "webhook"\nbatch_size = 501\n'
+        '[[events.sink]]\nname = "x"\nkind = "webhook"\nurl = "https://x/"\n'
+        'secret_env = "X_SECRET"\n'))
+    problems = problems_of(path, TOKEN_ENV)
+    assert problems == [
+        "events.retain_seconds must be >= 0, got -1.0",
+        "events.backoff_max_seconds must be >= events.backoff_initial_seconds, got 1.0 < 5.0",
+        "events.sink[0].queue is required when kind = 'infrai'",
+        "events.sink[1].url must be an http(s) URL, got 'ftp://x'",
+        "events.sink[1].secret_env is required when kind = 'webhook': every delivery is signed",
+        "events.sink[1].name 'q' is used twice",
+        "events.sink[2].name must be 1 to 64 letters, digits, '_', '.' or '-' (starting with "
+        "a letter or digit), got 'bad name'",
+        "events.sink[2].kind must be one of 'infrai', 'webhook', got 'kafka'",
+        "events.sink[3].batch_size must be <= 500, got 501",
+        "events.sink[3].url is required when kind = 'webhook'",
+        "events.sink[3].secret_env is required when kind = 'webhook': every delivery is signed",
+        "events.sink[0]: kind = 'infrai' needs the Infrai project key (infrai.token_env: "
+        "$INFRAI_API_KEY is not set)",
+        "events.sink[4].secret_env: $X_SECRET (or $X_SECRET_FILE) is not set; the webhook "
+        "signs with it",
+    ]
+
+
+def test_event_sink_secrets_never_come_from_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, '[[events.sink]]\nname = "w"\nkind = "webhook"\nurl = "https://x/"\n'
+                           'secret_env = "W_SECRET"\nsecret = "in-the-file"\nsigned = "md5"\n')
+    assert problems_of(path, {**TOKEN_ENV, "W_SECRET": "s"}) == [
+        "events.sink[0].secret is not a known key; events.sink[0].signed must be one of "
+        "'timestamp_body', 'body', got 'md5'"]
+    path = write(tmp_path, '[[events.sink]]\nname = "w"\nkind = "webhook"\nurl = "https://x/"\n'
+                           'secret_env = "W_SECRET"\n')
+    assert problems_of(path, {**TOKEN_ENV, "W_SECRET": " "}) == [
+        "events.sink[0].secret_env: $W_SECRET is empty"]
+    problems = problems_of(path, {**TOKEN_ENV, "CLEANUP__EVENTS__SECRET": "x"})
+    assert "environment variable CLEANUP__EVENTS__SECRET: secrets are set through *token_env" \
+        in problems
+    problems = problems_of(write(tmp_path, '[events]\nsink = 3\n'), TOKEN_ENV)
+    assert problems == ["events.sink must be an array of tables ([[events.sink]]), got 3"]

@@ -1,0 +1,592 @@
+"""Completion events: the ledger outbox written with each state change, delivered to three
+sinks (an Infrai queue on the emulator, two signed webhooks on loopback aiohttp servers),
+one of them down for a while. Every event reaches every sink, once after dedup by event ID,
+in order; deletions never wait on a sink; lag rises for the down sink only; a new relay on
+the same ledger resumes at the stored cursor; delivered events are pruned in batches."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import itertools
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from prometheus_client import REGISTRY
+
+from supervisor.config import (
+    Config,
+    InfraiConfig,
+    LimitsConfig,
+    PartnerConfig,
+    QueueConfig,
+    Secret,
+    ServiceConfig,
+    TriggerConfig,
+)
+from supervisor.errors import IllegalTransition
+from supervisor.events.relay import EventRelay, SinkWorker
+from supervisor.events.settings import EventsConfig, SinkConfig
+from supervisor.events.sinks import (
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    WebhookSink,
+    batch_body,
+    idempotency_key,
+    signature,
+)
+from supervisor.ledger.base import Backlog, Event, Run, Settlement
+from supervisor.ledger.database import Database
+from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.queue.infrai import InfraiQueue
+from supervisor.sandbox import SandboxConfig, run_sandbox
+from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from supervisor.sandbox.state import recipient_ids
+from supervisor.service import Service
+from supervisor.states import OpState
+
+from .conftest import HoldWriter
+
+SECRET = "whsec_events_test"
+KEY = "ifr_events_key"
+EVENTS_QUEUE = "cleanup-events"
+_names = itertools.count()
+
+
+def unique(prefix: str) -> str:
+    """Sink names unique in this process: the metrics registry is global."""
+    return f"{prefix}-{next(_names)}"
+
+
+def sample(name: str, sink: str) -> float:
+    value = REGISTRY.get_sample_value(name, {"sink": sink})
+    return 0.0 if value is None else value
+
+
+async def eventually(check: Callable[[], Awaitable[bool] | bool], within_s: float = 15.0,
+                     what: str = "condition") -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        result = check()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)  # polling a condition in a test
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Hook:
+    """A webhook receiver on a real loopback socket that checks every signature.
+
+    ``status`` other than 200 answers every request with it (a receiver that is down but
+    listening); :meth:`stop` closes the socket (connections refused). ``hold`` makes the
+    receiver take a request's events and then never answer (an ack lost in the air)."""
+
+    def __init__(self, secret: str = SECRET, signed: str = "timestamp_body") -> None:
+        self.secret = secret.encode()
+        self.signed = signed
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/hook"
+        self.status = 200
+        self.events: list[dict[str, Any]] = []  # in arrival order, duplicates included
+        self.requests: list[tuple[str, list[str]]] = []  # (Idempotency-Key, event IDs)
+        self.refused = 0  # requests answered with a non-2xx status
+        self.bad_signatures = 0
+        self.hold: asyncio.Event | None = None
+        self.held = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        timestamp = request.headers.get(TIMESTAMP_HEADER, "")
+        given = request.headers.get(SIGNATURE_HEADER, "")
+        expected = signature(self.secret, timestamp, body, self.signed)
+        fresh = timestamp.isdigit() and abs(time.time() - int(timestamp)) < 300
+        if not (fresh and hmac.compare_digest(given, expected)):
+            self.bad_signatures += 1
+            return web.Response(status=401)
+        if self.status != 200:
+            self.refused += 1
+            return web.Response(status=self.status, text="down for maintenance")
+        events = orjson.loads(body)["events"]
+        self.events += events
+        self.requests.append((request.headers["Idempotency-Key"], [e["id"] for e in events]))
+        if self.hold is not None:
+            self.held.set()
+            await self.hold.wait()
+        return web.Response(status=204)
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/hook", self.handle)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            if self.hold is not None:
+                self.hold.set()
+            await self._runner.cleanup()
+            self._runner = None
+
+    def ids(self) -> list[str]:
+        return [e["id"] for e in self.events]
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[Emulator]:
+    emu = await start_emulator(EmulatorConfig(api_key=KEY, seed=7))
+    try:
+        yield emu
+    finally:
+        await emu.close()
+
+
+def infrai_config(emulator: Emulator) -> InfraiConfig:
+    return InfraiConfig(base_url=emulator.url, token=Secret(KEY), backoff_initial_seconds=0.01,
+                        backoff_max_seconds=0.05)
+
+
+def events_config(*sinks: SinkConfig, **kw: Any) -> EventsConfig:
+    kw.setdefault("poll_interval_seconds", 0.05)
+    kw.setdefault("backoff_initial_seconds", 0.02)
+    kw.setdefault("backoff_max_seconds", 0.2)
+    return EventsConfig(sink=sinks, **kw)
+
+
+def webhook(name: str, hook: Hook, **kw: Any) -> SinkConfig:
+    return SinkConfig(name=name, kind="webhook", url=hook.url, secret_env="HOOK_SECRET",
+                      secret=Secret(SECRET), timeout_seconds=2.0, **kw)
+
+
+@asynccontextmanager
+async def running(relay: EventRelay) -> AsyncIterator[list[asyncio.Task[None]]]:
+    """The relay's components as the supervisor runs them: one task each."""
+    await relay.start()
+    tasks = [asyncio.create_task(factory(), name=name) for name, factory in relay.components()]
+    try:
+        yield tasks
+        for t in tasks:  # none may have died meanwhile
+            assert not t.done(), (t.get_name(), t.exception() if not t.cancelled() else None)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await relay.close()
+
+
+async def open_run(ledger: SqliteLedger, ids: list[str], tick: str = "weekly@1") -> Run:
+    opened = await ledger.open_run(tick, "weekly", None, {"kind": "inline"}, False)
+    assert opened.run is not None
+    await ledger.record_page(opened.run.id, ids, None, 0)
+    return opened.run
+
+
+async def operation_ids(ledger: SqliteLedger, run_id: str) -> list[str]:
+    return [op.id for _, op in await ledger.list_operations(run_id, None, 0, 10_000)]
+
+
+async def settle(ledger: SqliteLedger, op_id: str, target: OpState) -> float:
+    """One attempt and its outcome, as a consumer worker records them; returns how long
+    the settlement took."""
+    attempt = await ledger.begin_attempt(op_id, "delete")
+    began = time.monotonic()
+    await ledger.settle([Settlement(op_id, target, None, attempt_id=attempt,
+                                    outcome=target.value)])
+    return time.monotonic() - began
+
+
+async def all_events(ledger: SqliteLedger) -> list[Event]:
+    return await ledger.events_after(0, 100_000)
+
+
+def first_seen(ids: list[str]) -> list[str]:
+    """Dedup by event ID, keeping the first delivery: what a receiver keeps."""
+    return list(dict.fromkeys(ids))
+
+
+async def drain_queue(queue: InfraiQueue, into: list[dict[str, Any]]) -> None:
+    while True:
+        items = await queue.consume(10, 30)
+        if not items:
+            return
+        for item in items:
+            payload = item.get("payload", item.get("body"))
+            if isinstance(payload, str | bytes):
+                payload = orjson.loads(payload)
+            into += payload["events"]
+            await queue.ack_id(item["message_id"])
+
+
+# -- the outbox, in the transaction of each change -------------------------------------------
+
+
+async def test_each_settlement_and_finished_run_writes_one_event_in_its_own_commit(
+        db: Database, ledger: SqliteLedger, hold_writer: HoldWriter) -> None:
+    run = await open_run(ledger, [f"r-{i}" for i in range(8)])
+    ops = await operation_ids(ledger, run.id)
+    attempt = await ledger.begin_attempt(ops[0], "delete")
+    commits = db.commits
+    # The batched (group commit) path.
+    await ledger.settle([Settlement(ops[0], OpState.DELETED, None, attempt_id=attempt)])
+    assert db.commits == commits + 1  # state change and event: one commit
+    [event] = await all_events(ledger)
+    assert (event.kind, event.run_id, event.operation_id, event.recipient_id, event.outcome) == \
+        ("operation.settled", run.id, ops[0], "r-0", "deleted")
+    assert event.id.startswith("ev_")
+
+    # Several at once (one by one in one write), and a retry: no event for a retry.
+    attempts = [await ledger.begin_attempt(op, "delete") for op in ops[1:4]]
+    await ledger.settle([
+        Settlement(ops[1], OpState.ALREADY_ABSENT, None, attempt_id=attempts[0]),
+        Settlement(ops[2], OpState.FAILED, None, attempt_id=attempts[1], reason="HTTP 400"),
+        Settlement(ops[3], OpState.RETRY_WAIT, None, attempt_id=attempts[2]),
+    ])
+    # Ambiguous without an attempt of its own (a redelivery after a crash): the other path.
+    await ledger.begin_attempt(ops[4], "delete")
+    await ledger.settle([Settlement(ops[4], OpState.AMBIGUOUS, None)])
+    # An illegal settlement shares a group commit with a legal one: only the legal one's
+    # event commits.
+    attempt = await ledger.begin_attempt(ops[5], "delete")
+    async with hold_writer() as release:
+        legal = asyncio.ensure_future(ledger.settle([Settlement(ops[5], OpState.DELETED, None,
+                                                                attempt_id=attempt)]))
+        illegal = asyncio.ensure_future(ledger.settle([Settlement(ops[6], OpState.DELETED,
+                                                                  None)]))
+        await asyncio.sleep(0.05)  # both join the batch after the held one
+        commits = await release()
+    await legal
+    assert db.commits == commits + 1
+    with pytest.raises(IllegalTransition):
+        await illegal
+    # Evidence: an inconclusive probe writes no event; a resolution does.
+    await ledger.record_evidence(ops[4], "probe", OpState.AMBIGUOUS, "probe inconclusive", "503")
+    await ledger.record_evidence(ops[4], "probe", OpState.DELETED, "probe: gone", "HTTP 404")
+    outcomes = [(e.operation_id, e.outcome) for e in await all_events(ledger)]
+    assert outcomes == [(ops[0], "deleted"), (ops[1], "already_absent"), (ops[2], "failed"),
+                        (ops[4], "ambiguous"), (ops[5], "deleted"), (ops[4], "deleted")]
+    # The run finishes once nothing is left to act on: one run.finished event, with counts.
+    await settle(ledger, ops[3], OpState.DELETED)
+    await settle(ledger, ops[6], OpState.DELETED)
+    await settle(ledger, ops[7], OpState.FAILED)
+    assert await ledger.finish_runs() == [run.id]
+    assert await ledger.finish_runs() == []
+    last = (await all_events(ledger))[-1]
+    assert (last.kind, last.run_id, last.operation_id) == ("run.finished", run.id, None)
+    assert last.counts == {"deleted": 5, "already_absent": 1, "failed": 2}
+    every = await all_events(ledger)
+    assert [e.seq for e in every] == list(range(1, len(every) + 1))  # gapless, in order
+    assert len({e.id for e in every}) == len(every)
+
+
+async def test_cursors_backlog_and_pruning_in_bounded_batches(ledger: SqliteLedger) -> None:
+    run = await open_run(ledger, [f"r-{i}" for i in range(10)])
+    ops = await operation_ids(ledger, run.id)
+    for op in ops:
+        await settle(ledger, op, OpState.DELETED)
+    assert await ledger.event_cursor("a") == 0
+    backlog = await ledger.event_backlog(0)
+    assert backlog.events == 10
+    assert backlog.oldest_at is not None
+    await ledger.save_event_cursor("a", 6)
+    await ledger.save_event_cursor("b", 3)
+    await ledger.save_event_cursor("b", 2)  # a cursor never moves back
+    assert (await ledger.event_cursor("a"), await ledger.event_cursor("b")) == (6, 3)
+    assert (await ledger.event_backlog(6)).events == 4
+    later = time.time() + 1
+    # Only what every named sink took; a sink without a cursor holds everything back.
+    assert await ledger.prune_events(["a", "b", "new"], later, 100) == 0
+    # Nothing younger than the retention horizon.
+    assert await ledger.prune_events(["a", "b"], time.time() - 3600, 100) == 0
+    assert await ledger.prune_events(["a", "b"], later, 2) == 2
+    assert await ledger.prune_events(["a", "b"], later, 2) == 1
+    assert await ledger.prune_events(["a", "b"], later, 2) == 0
+    assert [e.seq for e in await ledger.events_after(0, 100)] == list(range(4, 11))
+    # No sink configured: everything past retention goes; a new event never reuses a seq.
+    assert await ledger.prune_events([], later, 100) == 7
+    assert await ledger.events_after(0, 100) == []
+    assert (await ledger.event_backlog(6)).events == 0
+    await ledger.finish_runs()
+    [finished] = await ledger.events_after(0, 100)
+    assert finished.seq == 11
+    backlog = await ledger.event_backlog(6)
+    assert (backlog.events, backlog.oldest_at) == (1, finished.at)
+    assert await ledger.event_backlog(11) == Backlog(0, None)
+
+
+async def test_the_relay_prunes_what_every_configured_sink_took(ledger: SqliteLedger) -> None:
+    run = await open_run(ledger, [f"r-{i}" for i in range(25)])
+    for op in await operation_ids(ledger, run.id):
+        await settle(ledger, op, OpState.DELETED)
+    hook = Hook()
+    a, b = unique("prune-a"), unique("prune-b")
+    config = events_config(webhook(a, hook), webhook(b, hook), retain_seconds=0,
+                           prune_batch=4)
+    relay = EventRelay(config, InfraiConfig(), ledger)
+    await ledger.save_event_cursor(a, 25)
+    await ledger.save_event_cursor(b, 18)
+    assert await relay.prune() == 18  # 4 + 4 + 4 + 4 + 2: bounded batches
+    assert [e.seq for e in await ledger.events_after(0, 100)] == list(range(19, 26))
+
+
+# -- delivery -------------------------------------------------------------------------------
+
+
+async def test_three_sinks_one_down_every_event_reaches_every_sink_once_in_order(
+        ledger: SqliteLedger, emulator: Emulator) -> None:
+    up, down = Hook(), Hook()
+    await up.start()  # `down` refuses connections: nothing listens on its port yet
+    q, a, b = unique("queue"), unique("hook-up"), unique("hook-down")
+    config = events_config(
+        SinkConfig(name=q, kind="infrai", queue=EVENTS_QUEUE, batch_size=7),
+        webhook(a, up, batch_size=5), webhook(b, down, batch_size=10))
+    relay = EventRelay(config, infrai_config(emulator), ledger, refresh_s=0.05)
+    failures_before = {s: sample("cleanup_events_sink_failures_total", s) for s in (q, a, b)}
+    delivered_before = {s: sample("cleanup_events_delivered_total", s) for s in (q, a, b)}
+    run = await open_run(ledger, [f"r-{i:03d}" for i in range(60)])
+    ops = await operation_ids(ledger, run.id)
+    targets = [OpState.DELETED, OpState.DELETED, OpState.ALREADY_ABSENT, OpState.FAILED,
+               OpState.AMBIGUOUS]
+    async with running(relay):
+        # Deletions go on at full speed while `down` refuses every connection: the
+        # settle path only writes rows, it never waits on a sink.
+        took = await asyncio.gather(*(settle(ledger, op, targets[i % len(targets)])
+                                      for i, op in enumerate(ops)))
+        assert max(took) < 1.0, max(took)
+        for op in ops[4::5]:  # the ambiguous ones are resolved later: events too
+            await ledger.record_evidence(op, "probe", OpState.DELETED, "probe: gone", "404")
+        assert await ledger.finish_runs() == [run.id]
+        expected = [e.id for e in await all_events(ledger)]
+        assert len(expected) == 60 + 12 + 1
+        assert down.events == []  # every settlement committed with that sink down
+        # The other two take everything; the down one's lag grows, theirs is 0.
+        await eventually(lambda: up.ids()[-1:] == expected[-1:], what="the up webhook")
+        await eventually(lambda: sample("cleanup_events_sink_lag_events", b) == len(expected)
+                         and sample("cleanup_events_sink_lag_events", a) == 0
+                         and sample("cleanup_events_sink_lag_events", q) == 0,
+                         what="the lag gauges")
+        first_age = sample("cleanup_events_sink_lag_seconds", b)
+        await asyncio.sleep(0.3)  # let the down sink's lag age
+        assert sample("cleanup_events_sink_lag_seconds", b) > max(first_age, 0.2)
+        assert sample("cleanup_events_sink_lag_seconds", a) == 0
+        assert sample("cleanup_events_sink_lag_seconds", q) == 0
+        # It listens again but answers 503 for a while, then recovers.
+        down.status = 503
+        await down.start()
+        await eventually(lambda: down.refused >= 2, what="503s")
+        down.status = 200
+        await eventually(lambda: sample("cleanup_events_sink_lag_events", b) == 0
+                         and sample("cleanup_events_sink_lag_seconds", b) == 0,
+                         what="the down sink to catch up")
+    await up.stop()
+    await down.stop()
+    queued: list[dict[str, Any]] = []
+    reader = InfraiQueue(InfraiConfig(base_url=emulator.url, token=Secret(KEY),
+                                      queue=EVENTS_QUEUE, create_queues=False))
+    await reader.start()
+    try:
+        await drain_queue(reader, queued)
+    finally:
+        await reader.close()
+    for sink_ids in ([e["id"] for e in queued], up.ids(), down.ids()):
+        assert first_seen(sink_ids) == expected  # every event, in order, once after dedup
+    assert up.bad_signatures == down.bad_signatures == 0
+    assert all(len(ids) <= 5 for _, ids in up.requests)  # its batch size
+    assert sample("cleanup_events_sink_failures_total", b) - failures_before[b] >= 3
+    assert sample("cleanup_events_sink_failures_total", a) == failures_before[a]
+    assert sample("cleanup_events_sink_failures_total", q) == failures_before[q]
+    for s in (q, a, b):
+        assert sample("cleanup_events_delivered_total", s) - delivered_before[s] == len(expected)
+    # What a receiver sees: identifiers and an outcome, never more.
+    settled = next(e for e in queued if e["kind"] == "operation.settled")
+    assert set(settled) == {"id", "kind", "at", "run_id", "operation_id", "recipient_id",
+                            "outcome"}
+    finished = queued[-1]
+    assert finished["kind"] == "run.finished"
+    assert finished["counts"] == {"deleted": 36, "already_absent": 12, "failed": 12}
+
+
+async def test_a_new_relay_resumes_at_the_stored_cursor(ledger: SqliteLedger) -> None:
+    hook = Hook()
+    await hook.start()
+    name = unique("resume")
+    config = events_config(webhook(name, hook, batch_size=4))
+    run = await open_run(ledger, [f"r-{i:03d}" for i in range(30)])
+    ops = await operation_ids(ledger, run.id)
+    for op in ops[:10]:
+        await settle(ledger, op, OpState.DELETED)
+    first = EventRelay(config, InfraiConfig(), ledger)
+    async with running(first):
+        await eventually(lambda: len(hook.events) == 10, what="the first ten")
+        await eventually(lambda: first.workers[0].cursor == 10, what="the cursor")
+    assert await ledger.event_cursor(name) == 10
+    for op in ops[10:20]:
+        await settle(ledger, op, OpState.DELETED)
+    second = EventRelay(config, InfraiConfig(), ledger)  # a restart: a new instance
+    async with running(second):
+        await eventually(lambda: len(hook.events) == 20, what="the next ten")
+        await eventually(lambda: second.workers[0].cursor == 20, what="the cursor")
+    assert hook.ids() == [e.id for e in await all_events(ledger)]  # nothing sent twice
+
+    # Stopped while a batch is in the air (the receiver took it, its answer is lost):
+    # that batch, and only that one, is sent again.
+    for op in ops[20:30]:
+        await settle(ledger, op, OpState.DELETED)
+    gate = hook.hold = asyncio.Event()
+    third = EventRelay(config, InfraiConfig(), ledger)
+    async with running(third):
+        await asyncio.wait_for(hook.held.wait(), 10)
+    in_flight = hook.requests[-1][1]
+    assert len(in_flight) == 4
+    assert await ledger.event_cursor(name) == 20
+    hook.hold = None
+    gate.set()  # the receiver's handler ends; its answer goes nowhere
+    fourth = EventRelay(config, InfraiConfig(), ledger)
+    async with running(fourth):
+        await eventually(lambda: fourth.workers[0].cursor == 30, what="the last ten")
+    await hook.stop()
+    expected = [e.id for e in await all_events(ledger)]
+    assert first_seen(hook.ids()) == expected
+    again = [i for i in hook.ids() if hook.ids().count(i) > 1]
+    assert set(again) == set(in_flight)
+    assert len(hook.ids()) == len(expected) + len(in_flight)
+
+
+async def test_the_service_runs_a_sink_and_its_events_follow_the_deletions(
+        tmp_path: Path) -> None:
+    """The wiring: a configured sink runs under the supervisor, a settlement wakes it, the
+    monitor's finished run is an event too, and a stop ends the sink with the rest."""
+    hook = Hook()
+    await hook.start()
+    name = unique("service")
+    ids = recipient_ids(12)
+    async with run_sandbox(SandboxConfig(recipients=12, absent_share=0.25,
+                                         rate_per_second=0)) as sandbox:
+        config = Config(
+            service=ServiceConfig(data_dir=tmp_path / "var", listen="127.0.0.1:0",
+                                  shutdown_grace_seconds=2),
+            trigger=TriggerConfig(token=Secret("trigger-token")),
+            queue=QueueConfig(poll_interval_seconds=0.05),
+            partner=PartnerConfig(base_url=sandbox.url, probe_path=""),
+            limits=LimitsConfig(rate_per_second=200, concurrency=4),
+            events=events_config(webhook(name, hook), poll_interval_seconds=2.0))
+        service = Service(config)
+        task = asyncio.create_task(service.run())
+        try:
+            async with asyncio.timeout(10):
+                await service.started.wait()
+            async with aiohttp.ClientSession() as http, http.post(
+                    f"{service.url}/v1/runs", json={"recipient_ids": ids},
+                    headers={"Authorization": "Bearer trigger-token"}) as resp:
+                assert resp.status == 201, await resp.text()
+            # Each settlement wakes the sink: its events do not wait for the next poll.
+            await eventually(lambda: len(hook.events) >= 12, within_s=1.5,
+                             what="the settled events, before the sink's next poll")
+            await eventually(lambda: any(e["kind"] == "run.finished" for e in hook.events),
+                             what="the run.finished event")
+        finally:
+            service.request_stop()
+            assert await asyncio.wait_for(task, 15) == 0
+            await hook.stop()
+    settled = [e for e in hook.events if e["kind"] == "operation.settled"]
+    assert sorted(e["recipient_id"] for e in settled) == ids
+    assert {e["outcome"] for e in settled} <= {"deleted", "already_absent"}
+    assert len(first_seen(hook.ids())) == len(hook.ids()) == 13
+    assert hook.events[-1]["kind"] == "run.finished"
+
+
+async def test_webhook_requests_are_signed_and_keyed_by_event_id(ledger: SqliteLedger) -> None:
+    hook = Hook(signed="body")
+    await hook.start()
+    run = await open_run(ledger, ["r-1", "r-2", "r-3"])
+    ops = await operation_ids(ledger, run.id)
+    await settle(ledger, ops[0], OpState.DELETED)
+    sink = WebhookSink(webhook(unique("signed"), hook, signed="body"))
+    await sink.start()
+    try:
+        [one] = await all_events(ledger)
+        assert await sink.deliver([one]) == 1
+        for op in ops[1:]:
+            await settle(ledger, op, OpState.DELETED)
+        three = await all_events(ledger)
+        assert await sink.deliver(three) == 3
+    finally:
+        await sink.close()
+        await hook.stop()
+    assert hook.bad_signatures == 0
+    # One event: its own ID is the key; a batch: first..last, the same on every retry.
+    assert hook.requests == [(one.id, [one.id]),
+                             (f"{three[0].id}..{three[-1].id}", [e.id for e in three])]
+    assert idempotency_key(three) == f"{three[0].id}..{three[-1].id}"
+
+
+async def test_a_wrong_secret_is_refused_and_retried_not_skipped(ledger: SqliteLedger) -> None:
+    hook = Hook(secret="another-secret")
+    await hook.start()
+    name = unique("wrong-secret")
+    relay = EventRelay(events_config(webhook(name, hook)), InfraiConfig(), ledger)
+    run = await open_run(ledger, ["r-1"])
+    await settle(ledger, (await operation_ids(ledger, run.id))[0], OpState.DELETED)
+    async with running(relay):
+        await eventually(lambda: hook.bad_signatures >= 2, what="refusals")
+        assert relay.workers[0].cursor == 0  # nothing acknowledged, nothing skipped
+    await hook.stop()
+    assert hook.events == []
+
+
+def test_signature_is_hmac_sha256_of_timestamp_and_raw_body() -> None:
+    body = b'{"events":[]}'
+    mac = hmac.new(b"k", b"1700000000." + body, hashlib.sha256).hexdigest()
+    assert signature(b"k", "1700000000", body) == f"sha256={mac}"
+    plain = hmac.new(b"k", body, hashlib.sha256).hexdigest()
+    assert signature(b"k", "1700000000", body, "body") == f"sha256={plain}"
+
+
+def test_a_batch_too_large_for_one_delivery_is_cut_to_fit() -> None:
+    events = [Event(seq=i, id=f"ev_{i:04d}", kind="operation.settled", at=1.7e9, run_id="run_1",
+                    operation_id=f"op_{i}", recipient_id="r" * 200, outcome="deleted")
+              for i in range(1, 41)]
+    n, payload, raw = batch_body(events, max_bytes=3000)
+    assert 1 <= n < 40
+    assert len(raw) <= 3000
+    assert [e["id"] for e in payload["events"]] == [f"ev_{i:04d}" for i in range(1, n + 1)]
+    assert batch_body(events[:1], max_bytes=10)[0] == 1  # one always goes
+
+
+def test_backoff_is_capped_jittered_and_honours_retry_after() -> None:
+    config = EventsConfig(backoff_initial_seconds=0.5, backoff_max_seconds=8.0)
+    worker = SinkWorker(WebhookSink(SinkConfig(name="x", kind="webhook", url="http://x/",
+                                               secret=Secret("s"))),
+                        ledger_stub(), config, 10, rng=lambda: 1.0)
+    delays = []
+    for failures in range(1, 9):
+        worker.failures = failures
+        delays.append(worker.backoff(None))
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0]
+    worker.rng = lambda: 0.0
+    assert worker.backoff(None) == 4.0  # jitter over the upper half
+    assert worker.backoff(3.0) == 3.0  # the receiver's wait, not jittered
+    assert worker.backoff(600.0) == 8.0  # capped
+    assert worker.backoff(0.0) == 0.5  # never a hot loop
+
+
+def ledger_stub() -> Any:
+    return object()

@@ -14,7 +14,13 @@ from collections.abc import Callable
 from supervisor import metrics
 from supervisor.budget.base import Feedback, Outcome, RateBudget
 from supervisor.config import Config
-from supervisor.errors import OperationBusy, QueueBlocked, QueueError, StorageError
+from supervisor.errors import (
+    OperationBusy,
+    QueueBlocked,
+    QueueError,
+    QueueRefused,
+    StorageError,
+)
 from supervisor.ledger.base import Disposition, Ledger, Operation, Received, Settlement
 from supervisor.partner import Answer, PartnerClient, Verdict
 from supervisor.push import PushedQueue, PushOutcome
@@ -83,6 +89,7 @@ class ConsumerPool:
         # (when, latest due time) of each claim, and when a receive last found nothing:
         # how far the consumers have got, for redrive.
         self._frontier: collections.deque[tuple[float, float]] = collections.deque()
+        self._refusals: set[str] = set()
         # Deliveries whose message was acked or published again: nothing to hand back.
         self._moved: set[str] = set()
         self._empty_at = 0.0
@@ -216,7 +223,13 @@ class ConsumerPool:
                 await self._pause(min(BLOCKED_RETRY_S[1], BLOCKED_RETRY_S[0] * blocked))
                 continue
             except (StorageError, QueueError) as exc:
-                # The ledger (or transport) reports a fault once; each failed claim only at DEBUG.
+                # The ledger reports a failed commit once; each failed claim only at DEBUG.
+                # A refusal nothing else reports (an unknown queue, a bad request) is said
+                # once per kind, so a consumer that takes nothing is never silent.
+                if isinstance(exc, QueueRefused) and exc.code not in self._refusals:
+                    self._refusals.add(exc.code)
+                    log.warning("the queue refuses to hand out messages: %s", exc,
+                                extra={"action": "queue_refused"})
                 log.debug("could not claim messages: %s", exc)
                 await self._backoff_storage()
                 continue

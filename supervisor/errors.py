@@ -66,6 +66,13 @@ class QueueError(CleanupError):
     answer that is not the documented contract). Nothing is lost: the ledger is truth."""
 
 
+class QueueRefused(QueueError):
+    """The transport refused a call for a reason retrying will not cure (a 4xx); ``code``
+    names it."""
+
+    code = ""
+
+
 class QueueBlocked(QueueError):
     """The transport refuses us until an operator acts (a wrong key, no credit).
     Consumption stops, /readyz is 503, and every call resumes once it clears."""

@@ -24,7 +24,7 @@ import orjson
 
 from supervisor import metrics
 from supervisor.config import InfraiConfig
-from supervisor.errors import QueueBlocked, QueueError
+from supervisor.errors import QueueBlocked, QueueError, QueueRefused
 from supervisor.partner import parse_retry_after
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ RETRYABLE = frozenset({"", "INTERNAL", "INTERNAL_ERROR", "SERVICE_UNAVAILABLE", 
                        "UNAVAILABLE", "RATE_LIMITED", "BAD_GATEWAY"})
 
 
-class InfraiError(QueueError):
+class InfraiError(QueueRefused):
     """Infrai answered a documented failure that retrying will not cure (4xx)."""
 
     def __init__(self, call: str, status: int, code: str, message: str, hint: str) -> None:

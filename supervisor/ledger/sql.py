@@ -129,8 +129,13 @@ ADDED_COLUMNS = (
     ("operations", "received_at", "REAL"),
     ("operations", "leased_until", "REAL"),
 )
-# Work a migrated file had in the queue is due at once.
-BACKFILL_DUE = "UPDATE operations SET due_at = updated_at WHERE due_at IS NULL"
+# Work a migrated file had in the queue is due at once, and an operation whose embedded
+# message is there has that message live (else the first redrive republishes them all).
+BACKFILL_DUE = (
+    "UPDATE operations SET due_at = COALESCE(due_at, updated_at),"
+    " message_id = COALESCE(message_id, (SELECT m.operation_id FROM messages m"
+    " WHERE m.operation_id = operations.id)) WHERE due_at IS NULL"
+)
 
 PRAGMAS = (
     "PRAGMA journal_mode=WAL",

@@ -161,3 +161,45 @@ async def test_a_storage_fault_fails_the_batch_and_marks_unhealthy_until_a_commi
     await queue.publish([Message("r", "op_2", "x")])
     assert db.healthy
     assert db.last_error is None
+
+
+async def test_a_ledger_of_the_previous_release_gains_the_bookkeeping(tmp_path: Path) -> None:
+    """A file written before the queue's bookkeeping existed opens with its columns
+    added, its queued work due at once, and its embedded messages recorded as live."""
+    path = tmp_path / "old.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.executescript("""
+        CREATE TABLE runs (id TEXT PRIMARY KEY, tick_key TEXT NOT NULL UNIQUE,
+            schedule TEXT NOT NULL, scheduled_for REAL, state TEXT NOT NULL,
+            source TEXT NOT NULL, scan_cursor TEXT, scan_pages INTEGER NOT NULL DEFAULT 0,
+            discovered INTEGER NOT NULL DEFAULT 0,
+            skipped_candidates INTEGER NOT NULL DEFAULT 0,
+            scan_failures INTEGER NOT NULL DEFAULT 0, last_error TEXT,
+            created_at REAL NOT NULL, scan_finished_at REAL, finished_at REAL);
+        CREATE TABLE operations (id TEXT PRIMARY KEY, run_id TEXT NOT NULL REFERENCES runs(id),
+            recipient_id TEXT NOT NULL, state TEXT NOT NULL,
+            attempts INTEGER NOT NULL DEFAULT 0, reason TEXT, created_at REAL NOT NULL,
+            updated_at REAL NOT NULL, owner TEXT, busy_until REAL,
+            UNIQUE (run_id, recipient_id));
+        CREATE TABLE messages (operation_id TEXT PRIMARY KEY, run_id TEXT NOT NULL,
+            recipient_id TEXT NOT NULL, available_at REAL NOT NULL, lease_token TEXT,
+            receives INTEGER NOT NULL DEFAULT 0, enqueued_at REAL NOT NULL);
+        INSERT INTO runs (id, tick_key, schedule, state, source, created_at)
+            VALUES ('run_1', 'weekly@1', 'weekly', 'draining', '{}', 1);
+        INSERT INTO operations (id, run_id, recipient_id, state, created_at, updated_at)
+            VALUES ('op_1', 'run_1', 'r-1', 'queued', 1, 5), ('op_2', 'run_1', 'r-2', 'deleted', 1, 6);
+        INSERT INTO messages VALUES ('op_1', 'run_1', 'r-1', 5, NULL, 0, 5);
+    """)
+    conn.commit()
+    conn.close()
+    db = Database(path)
+    await db.open()
+    try:
+        rows = await db.read("SELECT id, due_at, message_id, receives FROM operations ORDER BY id")
+        assert [tuple(r) for r in rows] == [("op_1", 5.0, "op_1", 0), ("op_2", 6.0, None, 0)]
+        ledger = SqliteLedger(db, owns_queue=True)
+        assert await ledger.overdue(None, 1e12, 10) == []  # its message is live
+        stats = await ledger.queue_stats()
+        assert stats.depth == 1
+    finally:
+        await db.close()

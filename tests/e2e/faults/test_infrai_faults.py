@@ -135,9 +135,8 @@ async def test_sigkill_storm(e2e: E2E, fault: Fault, mode: Mode) -> None:
         by_op_all: dict[str, set[str]] = {}
         for m, op in messages.operation_of.items():
             by_op_all.setdefault(op, set()).add(f"{m}{'' if m in held else ' (acked)'}")
-        # A live message the emulator no longer holds: nothing delivers the operation again
-        # (any other copy of its message is dropped as superseded) until redrive's age
-        # sweep, minutes later.
+        # A live message the emulator no longer holds: nothing is bound to deliver the
+        # operation again until redrive finds it, minutes later.
         assert stranded == [], (kind, len(stranded), [
             (op, rows.state_of[op], rows.live[op], sorted(by_op_all.get(op, ())))
             for op in stranded[:3]])

@@ -74,6 +74,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        partner_rate=args.rate, absent_share=args.absent_share,
                        fault_5xx=args.fault_5xx, fault_timeout_after_act=args.fault_timeout,
                        queue=args.queue)
+    if args.shape == "managed":
+        from supervisor.demo_managed import run_managed
+
+        return run_async(run_managed(opts))
     return run_async(run_demo(opts))
 
 
@@ -302,6 +306,9 @@ def parser() -> argparse.ArgumentParser:
                    help="share of deletes where the partner acts, then times out")
     s.add_argument("--queue", choices=["sqlite", "infrai"], default="sqlite",
                    help="infrai: through the local Infrai emulator, pulled")
+    s.add_argument("--shape", choices=["embedded", "managed"], default="embedded",
+                   help="managed: Infrai cron -> trigger -> Infrai queue -> delete -> "
+                   "events to three sinks, all on the local emulator")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("dlq-redrive",

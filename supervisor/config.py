@@ -102,6 +102,9 @@ class ScheduleConfig:
             ZoneInfo(self.timezone)
         except (ZoneInfoNotFoundError, ValueError):
             out.append(f"schedule.timezone is not a known time zone, got {self.timezone!r}")
+        if self.clock == "external" and self.cron is None:
+            out.append("schedule.clock = 'external' needs schedule.cron: the expression names "
+                       "the slot of each incoming tick")
         if self.digest_cutoff_seconds is not None and self.digest_cutoff_seconds <= 0:
             out.append(f"schedule.digest_cutoff_seconds must be > 0, got {self.digest_cutoff_seconds}")
         if not self.name or len(self.name) > 100:

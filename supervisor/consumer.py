@@ -178,6 +178,7 @@ class ConsumerPool:
         try:
             with queue.track(delivery) as record:
                 [received] = await self.ledger.note_received([delivery], queue.lease_s)
+                self._sample([received])
                 await self._handle(task, delivery, received)
         except (StorageError, QueueError) as exc:
             log.log(logging.WARNING if self.ledger.healthy else logging.DEBUG,
@@ -200,6 +201,9 @@ class ConsumerPool:
         q = self.config.queue
         poll_s = q.poll_interval_seconds
         blocked = 0
+        if not self.caps.pull:
+            await self._stopping.wait()  # pushed: nothing to receive, ever
+            return
         prefetch = q.prefetch if q.prefetch is not None else \
             (0 if self.caps.transactional_ack else MANAGED_PREFETCH)
         while True:
@@ -265,7 +269,11 @@ class ConsumerPool:
         finally:
             for i, d in enumerate(fresh):
                 self._inbox.put_nowait((d, received[i] if received else None))
-        dues = [r.operation.due_at for r in received or () if r.operation and r.operation.due_at]
+        self._sample(received or [])
+
+    def _sample(self, received: list[Received]) -> None:
+        """How far the consumers have got: the latest due time among what just arrived."""
+        dues = [r.operation.due_at for r in received if r.operation and r.operation.due_at]
         if dues:
             self._frontier.append((time.time(), max(dues)))
             while len(self._frontier) > FRONTIER_SAMPLES:

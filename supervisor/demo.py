@@ -105,7 +105,8 @@ async def run_demo(opts: DemoOptions) -> int:
                              "CLEANUP__INFRAI__BASE_URL": emulator.url,
                              "INFRAI_API_KEY": infrai_key}
             environ = {
-                **os.environ,
+                # The demo's own settings only: none of the caller's CLEANUP__ overrides.
+                **{k: v for k, v in os.environ.items() if not k.startswith("CLEANUP__")},
                 "CUSTOMER_API_TOKEN": partner_token,
                 "CLEANUP_TRIGGER_TOKEN": trigger_token,
                 "CLEANUP__SERVICE__DATA_DIR": data_dir,

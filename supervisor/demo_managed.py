@@ -100,7 +100,8 @@ async def run_managed(opts: DemoOptions) -> int:
                                  f'secret_env = "DEMO_HOOK_{i}"}}' for i, h in enumerate(hooks))
                      + "]")
             environ = {
-                **os.environ,
+                # The demo's own settings only: none of the caller's CLEANUP__ overrides.
+                **{k: v for k, v in os.environ.items() if not k.startswith("CLEANUP__")},
                 "CUSTOMER_API_TOKEN": partner_token, "CLEANUP_TRIGGER_TOKEN": trigger_token,
                 "CLEANUP__SERVICE__DATA_DIR": data_dir,
                 "CLEANUP__SERVICE__LISTEN": f"127.0.0.1:{port}",

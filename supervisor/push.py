@@ -228,7 +228,7 @@ class PushedQueue:
         self.lease_s = lease_s  # the visibility timeout of one delivery
         self.max_wait_s = max_wait_s  # the longest a delivery may wait for the limiter
         self._capabilities = Capabilities(transactional_ack=False, extend=False, nack=False,
-                                          stats=False, max_delay_s=max_delay_s)
+                                          stats=False, max_delay_s=max_delay_s, pull=False)
         self._open: dict[str, PushRecord] = {}
 
     @property

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from supervisor import metrics
 from supervisor.errors import QueueBlocked, QueueError
 from supervisor.queue.infrai import InfraiQueue
-from supervisor.runs import RunOpener, Tick
+from supervisor.runs import RunOpener, Tick, slot_of
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,12 @@ class TickPuller:
             if taken < BATCH:
                 await asyncio.sleep(self.poll_s)  # a poll period, not a synchronisation
 
+    def _superseded(self, tick: Tick) -> bool:
+        s = self.opener.config.schedule
+        if tick.slot is None or s.cron is None or tick.schedule != s.name:
+            return False
+        return tick.slot < slot_of(s.cron, s.timezone, datetime.now(UTC))
+
     async def pull(self) -> int:
         """One consume; returns how many ticks it took."""
         items = await self.queue.consume(BATCH, LEASE_S)
@@ -84,7 +90,14 @@ class TickPuller:
                 log.warning("tick %s dropped: %s", message_id, exc,
                             extra={"action": "tick_malformed"})
             else:
-                await self.opener.open(tick)  # committed before the ack below
+                if self._superseded(tick):
+                    # Missed while nothing pulled (Infrai keeps messages for days): a later
+                    # slot has come since, and missed slots are not caught up one by one.
+                    metrics.TICKS.labels("missed").inc()
+                    log.info("tick for %s dropped: a later slot has come since", tick.slot,
+                             extra={"action": "tick_missed"})
+                else:
+                    await self.opener.open(tick)  # committed before the ack below
             try:
                 await self.queue.ack_id(message_id)
             except QueueError as exc:

@@ -128,7 +128,8 @@ class InfraiSink:
     async def deliver(self, events: Sequence[Event]) -> int:
         n, payload, _ = batch_body(events)
         try:
-            await self.queue.publish_payload(payload)
+            # Keyed by the batch's events: a retry after a lost answer is one message.
+            await self.queue.publish_payload(payload, key=f"ev-{idempotency_key(events[:n])}")
         except QueueError as exc:  # after the client's own retries; blocked keys too
             raise SinkError(str(exc)) from exc
         return n

@@ -21,8 +21,11 @@ from supervisor.config import InfraiConfig, Secret
 from supervisor.errors import CleanupError
 from supervisor.infrai.client import InfraiClient, InfraiError
 
-# Quartz-style tokens Infrai is not known to support (reference: do not rely on them).
+# Quartz-style tokens Infrai is not known to support (reference: do not rely on them):
+# L, W, # and ? outside the month and weekday names.
 _EXTENDED = re.compile(r"[LW#?]")
+_NAMES = re.compile(r"jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec|sun|mon|tue|wed|thu|"
+                    r"fri|sat", re.IGNORECASE)
 
 
 class CronRefused(CleanupError):
@@ -35,7 +38,7 @@ def check_expression(expr: str) -> None:
     if len(fields) != 5:
         raise CronRefused(f"schedule.cron {expr!r} has {len(fields)} fields; Infrai takes the "
                           "5-field form (minute hour day month weekday), no seconds field")
-    if _EXTENDED.search(expr):
+    if _EXTENDED.search(_NAMES.sub("", expr)):
         raise CronRefused(f"schedule.cron {expr!r} uses L, W, # or ?, which Infrai is not "
                           "known to support; write the days out")
     if not croniter.is_valid(expr):
@@ -60,11 +63,13 @@ class CronSpec:
 
 
 def _matches(job: dict[str, Any], spec: CronSpec) -> bool:
-    """Whether a listed job is ``spec``, in either field style."""
+    """Whether a listed job is ``spec``, in either field style. The documented record
+    holds name, schedule, url, enabled, next_run_at: a field it leaves out is not held
+    against it."""
     return (job.get("schedule", job.get("cron_expr")) == spec.schedule
             and job.get("url", job.get("task_url", job.get("task"))) == spec.url
-            and job.get("timezone", "UTC") == spec.timezone
-            and (job.get("payload") or {}) == spec.payload)
+            and job.get("timezone", spec.timezone) == spec.timezone
+            and job.get("payload", spec.payload) == spec.payload)
 
 
 def job_id(job: Any) -> str:
@@ -106,6 +111,8 @@ class InfraiCron:
             return "unchanged", same[0]
         job = await self._create(spec, digest)
         for old in existing:
+            if job_id(old) == job_id(job):
+                continue  # the create replayed by its key: this is the job, keep it
             await self.client.call("cron.delete", f"/v1/cron/delete/{job_id(old)}",
                                    method="DELETE")
         return ("replaced" if existing else "created"), job

@@ -50,6 +50,8 @@ class Capabilities:
     nack: bool = False  # a message can be handed back, visible again after a delay
     stats: bool = False  # depth, parked, leased and oldest age are cheap to ask
     max_delay_s: float = MAX_DELAY_S  # the longest delay publish accepts
+    # False: messages arrive by push (HTTP), receive never hands any out.
+    pull: bool = True
 
 
 @dataclass(frozen=True, slots=True)

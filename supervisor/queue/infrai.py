@@ -133,11 +133,11 @@ class InfraiQueue:
             body["delay_seconds"] = math.ceil(delay_s)
         return body
 
-    async def _publish_one(self, body: dict[str, Any]) -> str:
+    async def _publish_one(self, body: dict[str, Any], key: str | None = None) -> str:
         # One key per message of this call, kept across its retries: a publish that acted
         # before its answer was lost is not a second message. Never derived from the
         # operation alone: a redrive must create a new message, not replay a lost one.
-        key = f"pub-{body['payload'].get('operation_id', 'msg')}-{secrets.token_hex(6)}"
+        key = key or f"pub-{body['payload'].get('operation_id', 'msg')}-{secrets.token_hex(6)}"
         async with self._publishes:
             data = await self.client.call("queue.publish", "/v1/queue/publish", body,
                                           idempotency_key=key)
@@ -157,10 +157,12 @@ class InfraiQueue:
             raise QueueError(f"Infrai queue.consume answered no message list: {data!r}"[:300])
         return items
 
-    async def publish_payload(self, payload: dict[str, Any]) -> str:
-        """One message with any small JSON payload (a tick, an event)."""
+    async def publish_payload(self, payload: dict[str, Any], key: str | None = None) -> str:
+        """One message with any small JSON payload (a tick, an event). ``key``: the same
+        content under the same key is one message (an event batch sent again after a
+        lost answer)."""
         await self.ensure_queues()
-        return await self._publish_one({"queue": self.config.queue, "payload": payload})
+        return await self._publish_one({"queue": self.config.queue, "payload": payload}, key)
 
     async def receive(self, max_messages: int, lease_s: float) -> list[Delivery]:
         self._seen = self._published

@@ -10,11 +10,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from croniter import croniter
 
 from supervisor.config import InfraiConfig, Secret
 from supervisor.infrai.client import InfraiClient
 from supervisor.infrai.cron import CronRefused, InfraiCron, check_expression
-from supervisor.runs import slot_of
 from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 
 from .http_app import TOKEN, load_config, running_api
@@ -101,8 +101,9 @@ async def test_no_trigger_url_is_refused(emulator: Emulator, client: InfraiClien
 
 
 async def test_infrais_ticks_open_one_run_per_slot(emulator: Emulator, tmp_path: Path) -> None:
-    """Scheduled, then retried by hand twice: every POST lands on one slot, one run."""
-    cfg = load_config(tmp_path, schedule__cron="* * * * *", schedule__clock="external",
+    """Three of Infrai's POSTs (its run, a retry, an operator's "run now"): one slot, the
+    one the weekly expression names for now, and one run."""
+    cfg = load_config(tmp_path, schedule__cron="0 2 * * 1", schedule__clock="external",
                       source__kind="file", source__path=str(tmp_path / "none.jsonl"))
     async with running_api(cfg) as api:
         url = str(api.client.make_url("/v1/runs"))
@@ -110,10 +111,8 @@ async def test_infrais_ticks_open_one_run_per_slot(emulator: Emulator, tmp_path:
         await client.start()
         try:
             cron = InfraiCron(client, infrai(emulator, trigger_url=url), Secret(TOKEN))
-            _, job = await cron.apply(cron.spec("weekly", "* * * * *", "UTC"))
-            emulator.advance(61)  # the next minute's slot, by Infrai's clock
-            await emulator.cron.drain()
-            for _ in range(2):  # Infrai retrying, or an operator's "run now"
+            _, job = await cron.apply(cron.spec("weekly", "0 2 * * 1", "UTC"))
+            for _ in range(3):
                 await client.call("cron.trigger", f"/v1/cron/trigger/{job['cron_id']}")
                 emulator.cron.tick()
                 await emulator.cron.drain()
@@ -126,5 +125,26 @@ async def test_infrais_ticks_open_one_run_per_slot(emulator: Emulator, tmp_path:
         assert all(len(r["output"]) < 4096 and not r["output_truncated"] for r in runs), runs
         assert [r["http_status"] for r in runs] == [201, 200, 200], runs
         [run] = await api.ledger.list_runs(10)
-        opened_at = datetime.fromtimestamp(run.created_at, UTC)
-        assert run.tick_key == f"weekly@{slot_of('* * * * *', 'UTC', opened_at).isoformat()}"
+        # The Monday 02:00 UTC at or before now (a weekly slot is never 30 s away here).
+        now = datetime.now(UTC)
+        monday = croniter("0 2 * * 1", now).get_prev(datetime)
+        assert run.tick_key == f"weekly@{monday.isoformat()}"
+
+
+async def test_replacing_keeps_the_job_it_just_created(emulator: Emulator,
+                                                      client: InfraiClient) -> None:
+    """A forced replace whose create is replayed by its key (the same spec) must not
+    delete the very job it names."""
+    cron = InfraiCron(client, infrai(emulator), Secret(TOKEN))
+    spec = cron.spec("weekly", "0 2 * * 1", "UTC")
+    _, job = await cron.apply(spec)
+    done, again = await cron.apply(spec, replace=True)
+    assert again["cron_id"] == job["cron_id"]
+    assert [j["cron_id"] for j in await cron.jobs()] == [job["cron_id"]], done
+
+
+def test_month_and_weekday_names_are_no_extended_syntax() -> None:
+    check_expression("0 2 * * WED")
+    check_expression("0 2 * JUL mon-fri")
+    with pytest.raises(CronRefused):
+        check_expression("0 2 * * 5L")

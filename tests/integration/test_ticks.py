@@ -85,3 +85,18 @@ async def test_an_unslotted_tick_takes_its_slot_from_the_expression(
 def test_a_bad_tick_names_its_field(payload: object, problem: str) -> None:
     with pytest.raises(ValueError, match=problem.replace("(", r"\(").replace(")", r"\)")):
         tick_from(payload, "weekly")
+
+
+async def test_a_tick_a_later_slot_has_superseded_is_dropped(
+        ledger: SqliteLedger, ticks: InfraiQueue, tmp_path: Path) -> None:
+    """Infrai kept ticks while nothing pulled: missed slots are not caught up one by one."""
+    cfg = load_config(tmp_path, schedule__cron="0 2 * * 1", schedule__clock="external",
+                      source__kind="file", source__path=str(tmp_path / "x.jsonl"))
+    puller = TickPuller(ticks, RunOpener(cfg, ledger, asyncio.Event()), "weekly", 30)
+    missed = metrics.TICKS.labels("missed")._value.get()
+    await publish_tick(ticks, {"scheduled_for": "2025-01-06T02:00:00+00:00"})  # long past
+    await publish_tick(ticks, {})  # the current slot
+    await puller.pull()
+    [run] = await ledger.list_runs(10)
+    assert not run.tick_key.startswith("weekly@2025-01-06")
+    assert metrics.TICKS.labels("missed")._value.get() == missed + 1

@@ -160,10 +160,11 @@ async def _drive(cfg: config.Config, service_url: str, trigger_token: str, partn
             expected = run["discovered"] + 1  # each operation settled, and the run
             pulled: set[str] = set()
             while time.monotonic() < deadline:
-                await _infrai_events(client, pulled)
+                got = await _infrai_events(client, pulled)
                 if min(len(pulled), *(len(h.ids) for h in hooks)) >= expected:
                     break
-                await asyncio.sleep(0.5)  # the sinks are other processes' work: poll
+                if not got:
+                    await asyncio.sleep(0.2)  # the sinks are other tasks' work: poll
             async with http.get(f"{partner_url}/_sandbox/stats",
                                 headers={"Authorization": f"Bearer {partner_token}"}) as resp:
                 stats = orjson.loads(await resp.read())
@@ -205,17 +206,18 @@ async def _wait_run(http: aiohttp.ClientSession, url: str,
             return run
 
 
-async def _infrai_events(client: InfraiClient, pulled: set[str]) -> None:
+async def _infrai_events(client: InfraiClient, pulled: set[str]) -> int:
     """What the Infrai sink received: pulled from its queue into ``pulled``, each event
-    ID once (the queue may not exist before the first event)."""
+    ID once (the queue may not exist before the first event). Returns messages taken."""
     try:
         data = await client.call("queue.consume", "/v1/queue/consume",
                                  {"queue": EVENTS_QUEUE, "max_messages": 10,
                                   "visibility_timeout": 30})
     except InfraiError:
-        return
+        return 0
     items = data.get("messages") if isinstance(data, dict) else data
     for item in items or []:
         pulled.update(e["id"] for e in item["payload"]["events"])
         await client.call("queue.ack", "/v1/queue/ack",
                           {"queue": EVENTS_QUEUE, "message_id": item["message_id"]})
+    return len(items or [])

@@ -72,6 +72,33 @@ async def emulator_process(args: Sequence[str], key: str,
             await proc.wait()
 
 
+def demo_environ(data_dir: str, partner_url: str, partner_token: str, trigger_token: str,
+                 more: dict[str, str]) -> dict[str, str]:
+    """The service's environment for a demo: the caller's, without any CLEANUP__
+    override of theirs, then the demo's own settings, then ``more`` (which wins: an
+    INFRAI_API_KEY of the caller's must never send a demo to a real account)."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CLEANUP__")},
+        "CUSTOMER_API_TOKEN": partner_token,
+        "CLEANUP_TRIGGER_TOKEN": trigger_token,
+        "CLEANUP__SERVICE__DATA_DIR": data_dir,
+        "CLEANUP__SOURCE__KIND": "http",
+        "CLEANUP__SOURCE__URL": f"{partner_url}/stale-recipients",
+        "CLEANUP__SOURCE__TOKEN_ENV": "CUSTOMER_API_TOKEN",
+        "CLEANUP__PARTNER__BASE_URL": partner_url,
+        **more,
+    }
+
+
+async def start_service(service: Service) -> asyncio.Task[int]:
+    """Run the service until it has started (or exited: the task is then done)."""
+    task = asyncio.create_task(service.run(), name="service")
+    started = asyncio.create_task(service.started.wait())
+    await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+    started.cancel()
+    return task
+
+
 @dataclass(frozen=True, slots=True)
 class DemoOptions:
     config_path: Path
@@ -104,27 +131,13 @@ async def run_demo(opts: DemoOptions) -> int:
                 queue_env = {"CLEANUP__QUEUE__BACKEND": "infrai",
                              "CLEANUP__INFRAI__BASE_URL": emulator.url,
                              "INFRAI_API_KEY": infrai_key}
-            environ = {
-                # The demo's own settings only: none of the caller's CLEANUP__ overrides.
-                **{k: v for k, v in os.environ.items() if not k.startswith("CLEANUP__")},
-                "CUSTOMER_API_TOKEN": partner_token,
-                "CLEANUP_TRIGGER_TOKEN": trigger_token,
-                "CLEANUP__SERVICE__DATA_DIR": data_dir,
-                "CLEANUP__SERVICE__LISTEN": "127.0.0.1:0",
-                "CLEANUP__SOURCE__KIND": "http",
-                "CLEANUP__SOURCE__URL": f"{sandbox.url}/stale-recipients",
-                "CLEANUP__SOURCE__TOKEN_ENV": "CUSTOMER_API_TOKEN",
-                "CLEANUP__PARTNER__BASE_URL": sandbox.url,
-                "CLEANUP__PARTNER__REQUEST_TIMEOUT_SECONDS": "2",
-                # Last: an INFRAI_API_KEY or queue setting of the caller's own must not
-                # send the demo to a real account.
-                **queue_env,
-            }
+            environ = demo_environ(data_dir, sandbox.url, partner_token, trigger_token,
+                                   {"CLEANUP__SERVICE__LISTEN": "127.0.0.1:0",
+                                    "CLEANUP__PARTNER__REQUEST_TIMEOUT_SECONDS": "2",
+                                    **queue_env})
             cfg = config.load(opts.config_path, environ)
             service = Service(cfg)
-            task = asyncio.create_task(service.run(), name="service")
-            started = asyncio.create_task(service.started.wait())
-            await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+            task = await start_service(service)
             if task.done():
                 return await task
             assert service.url is not None

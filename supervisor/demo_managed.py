@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import os
 import secrets
 import socket
 import tempfile
@@ -26,7 +25,13 @@ from aiohttp import web
 
 from supervisor import config
 from supervisor.configtypes import Secret
-from supervisor.demo import DemoOptions, emulator_process, sandbox_process
+from supervisor.demo import (
+    DemoOptions,
+    demo_environ,
+    emulator_process,
+    sandbox_process,
+    start_service,
+)
 from supervisor.events.sinks import SIGNATURE_HEADER, TIMESTAMP_HEADER
 from supervisor.infrai.client import InfraiClient, InfraiError
 from supervisor.infrai.cron import InfraiCron
@@ -99,27 +104,16 @@ async def run_managed(opts: DemoOptions) -> int:
                      + ", ".join(f'{{name = "hook-{i}", kind = "webhook", url = "{h.url}", '
                                  f'secret_env = "DEMO_HOOK_{i}"}}' for i, h in enumerate(hooks))
                      + "]")
-            environ = {
-                # The demo's own settings only: none of the caller's CLEANUP__ overrides.
-                **{k: v for k, v in os.environ.items() if not k.startswith("CLEANUP__")},
-                "CUSTOMER_API_TOKEN": partner_token, "CLEANUP_TRIGGER_TOKEN": trigger_token,
-                "CLEANUP__SERVICE__DATA_DIR": data_dir,
+            environ = demo_environ(data_dir, sandbox.url, partner_token, trigger_token, {
                 "CLEANUP__SERVICE__LISTEN": f"127.0.0.1:{port}",
-                "CLEANUP__SOURCE__KIND": "http",
-                "CLEANUP__SOURCE__URL": f"{sandbox.url}/stale-recipients",
-                "CLEANUP__SOURCE__TOKEN_ENV": "CUSTOMER_API_TOKEN",
-                "CLEANUP__PARTNER__BASE_URL": sandbox.url,
                 "CLEANUP__SCHEDULE__CRON": "0 2 * * 1", "CLEANUP__SCHEDULE__CLOCK": "external",
                 "CLEANUP__QUEUE__BACKEND": "infrai", "CLEANUP__INFRAI__BASE_URL": emulator.url,
                 "CLEANUP__INFRAI__TRIGGER_URL": f"{service_url}/v1/runs",
                 "CLEANUP__EVENTS__SINK": sinks, "INFRAI_API_KEY": infrai_key,
-                **{f"DEMO_HOOK_{i}": h.secret.decode() for i, h in enumerate(hooks)},
-            }
+                **{f"DEMO_HOOK_{i}": h.secret.decode() for i, h in enumerate(hooks)}})
             cfg = config.load(opts.config_path, environ)
             service = Service(cfg)
-            task = asyncio.create_task(service.run(), name="service")
-            started = asyncio.create_task(service.started.wait())
-            await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+            task = await start_service(service)
             if task.done():
                 return await task
             print(f"managed shape: Infrai emulator {emulator.url} (cron, queue, events), "

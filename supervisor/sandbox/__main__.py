@@ -11,10 +11,7 @@ import argparse
 import asyncio
 import os
 import signal
-import sys
-from collections.abc import Callable, Mapping, Sequence
-
-import orjson
+from collections.abc import Mapping, Sequence
 
 from supervisor.sandbox.config import (
     RATELIMIT_HEADER_STYLES,
@@ -23,6 +20,7 @@ from supervisor.sandbox.config import (
     SandboxConfig,
     parse_quota,
 )
+from supervisor.sandbox.process import announce, run
 from supervisor.sandbox.server import run_sandbox
 
 
@@ -139,29 +137,15 @@ async def serve(config: SandboxConfig, host: str, port: int) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     async with run_sandbox(config, host, port) as sandbox:
-        line = orjson.dumps({"url": sandbox.url, "pid": os.getpid()})
-        sys.stdout.write(line.decode() + "\n")
-        # Whoever spawned us blocks on this line to learn the port; don't let it sit in a buffer.
-        sys.stdout.flush()
+        announce(sandbox.url)
         await stop.wait()
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        # Optional speed-up; the stdlib loop is fine where uvloop does not build.
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = config_from_args(parser, args, os.environ)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(serve(config, args.host, args.port))
-    return 0
+    return run(serve(config, args.host, args.port))
 
 
 if __name__ == "__main__":

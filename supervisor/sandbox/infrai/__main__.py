@@ -12,14 +12,12 @@ import argparse
 import asyncio
 import os
 import signal
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import orjson
-
 from supervisor.sandbox.infrai.config import EmulatorConfig, FieldSpec, field_specs
 from supervisor.sandbox.infrai.server import start_emulator
+from supervisor.sandbox.process import announce, run
 
 # The variable the official examples use, so a demo needs no flag beyond exporting it.
 DEFAULT_KEY_ENV = "INFRAI_API_KEY"
@@ -97,31 +95,17 @@ async def serve(config: EmulatorConfig, host: str, port: int) -> None:
         loop.add_signal_handler(signum, stop.set)
     emulator = await start_emulator(config, host, port)
     try:
-        line = orjson.dumps({"url": emulator.url, "pid": os.getpid()})
-        sys.stdout.write(line.decode() + "\n")
-        # Whoever spawned us blocks on this line to learn the port; don't let it sit in a buffer.
-        sys.stdout.flush()
+        announce(emulator.url)
         await stop.wait()
     finally:
         await emulator.close()
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        # Optional speed-up; the stdlib loop is fine where uvloop does not build.
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = config_from_args(parser, args, os.environ)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(serve(config, args.host, args.port))
-    return 0
+    return run(serve(config, args.host, args.port))
 
 
 if __name__ == "__main__":

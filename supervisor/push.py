@@ -65,27 +65,6 @@ class PushSettings:
     # and Retry-After instead of holding the connection (must stay below the lease).
     max_wait_s: float = 5.0
 
-    def problems(self, prefix: str = "infrai.push_") -> list[str]:
-        out = []
-        if not self.secret.reveal():
-            out.append(f"{prefix}secret_env: the push secret is empty")
-        for name, value in (("signature_header", self.signature_header),
-                            ("timestamp_header", self.timestamp_header)):
-            if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", value):
-                out.append(f"{prefix}{name} must be an HTTP header name, got {value!r}")
-        if self.scheme not in SCHEMES:
-            out.append(f"{prefix}signature_scheme must be one of {', '.join(SCHEMES)}")
-        for key, seconds in (("timestamp_tolerance_seconds", self.timestamp_tolerance_s),
-                             ("visibility_timeout", self.visibility_timeout_s),
-                             ("max_wait_seconds", self.max_wait_s)):
-            if not seconds > 0:
-                out.append(f"{prefix}{key} must be > 0, got {seconds}")
-        if self.max_wait_s >= self.visibility_timeout_s:
-            out.append(f"{prefix}max_wait_seconds ({self.max_wait_s:g}) must be below "
-                       f"{prefix}visibility_timeout ({self.visibility_timeout_s:g}): Infrai "
-                       "redelivers a delivery not answered within its lease")
-        return out
-
 
 class PushRejected(Exception):
     """A delivery refused before anything was written: the status and why."""

@@ -433,9 +433,7 @@ class SqliteLedger(outbox.OutboxMixin):
         now = time.time()
         row = await self.db.read_one(sql.LEDGER_QUEUE_STATS, {"now": now})
         assert row is not None
-        oldest = now - row[3] if row[3] is not None else 0.0
-        return QueueStats(depth=row[0], parked=row[1], leased=row[2],
-                          oldest_claimable_age_s=max(0.0, oldest))
+        return QueueStats.from_row(row, now)
 
     async def finish_runs(self) -> list[str]:
         async def write(conn: aiosqlite.Connection) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 # The documented ceilings of managed queues (Infrai: 256 KB bodies, 7-day delays).
 MAX_DELAY_S = 7 * 86400.0
@@ -60,6 +60,13 @@ class QueueStats:
     parked: int  # waiting for a delayed retry
     leased: int  # held by a consumer
     oldest_claimable_age_s: float  # 0 when nothing is claimable
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any], now: float) -> QueueStats:
+        """(claimable, parked, leased, when the oldest claimable one became so)."""
+        oldest = now - row[3] if row[3] is not None else 0.0
+        return cls(depth=row[0], parked=row[1], leased=row[2],
+                   oldest_claimable_age_s=max(0.0, oldest))
 
 
 class Queue(Protocol):

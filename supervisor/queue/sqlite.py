@@ -115,9 +115,7 @@ class SqliteQueue:
         now = time.time()
         row = await self.db.read_one(sql.QUEUE_STATS, {"now": now})
         assert row is not None
-        oldest = now - row[3] if row[3] is not None else 0.0
-        return QueueStats(depth=row[0], parked=row[1], leased=row[2],
-                          oldest_claimable_age_s=max(0.0, oldest))
+        return QueueStats.from_row(row, now)
 
     async def close(self) -> None:
         """Nothing of its own: the ledger closes the shared database."""

@@ -8,9 +8,7 @@ SIGTERM/SIGINT and exits 0. The token is read from the environment variable name
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import signal
 from collections.abc import Mapping, Sequence
 
 from supervisor.sandbox.config import (
@@ -20,7 +18,7 @@ from supervisor.sandbox.config import (
     SandboxConfig,
     parse_quota,
 )
-from supervisor.sandbox.process import announce, run
+from supervisor.sandbox.process import run, serve_until_signal
 from supervisor.sandbox.server import run_sandbox
 
 
@@ -132,13 +130,8 @@ def config_from_args(
 
 
 async def serve(config: SandboxConfig, host: str, port: int) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     async with run_sandbox(config, host, port) as sandbox:
-        announce(sandbox.url)
-        await stop.wait()
+        await serve_until_signal(sandbox.url)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -16,6 +17,16 @@ def announce(url: str) -> None:
     it to learn the port."""
     sys.stdout.write(orjson.dumps({"url": url, "pid": os.getpid()}).decode() + "\n")
     sys.stdout.flush()
+
+
+async def serve_until_signal(url: str) -> None:
+    """Announce ``url``, then serve until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    announce(url)
+    await stop.wait()
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

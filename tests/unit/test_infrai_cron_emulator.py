@@ -589,7 +589,7 @@ async def test_control_surface_shows_jobs_and_runs_and_ticks_on_demand() -> None
     async with setup(cron_poll_seconds=0) as c:
         job = await c.job()
         c.emulator.state.advance(40)  # the clock alone: with polling off, nothing runs yet
-        await asyncio.sleep(0)
+        await c.emulator.cron.drain()  # a run the move had started would finish here
         assert c.target.hits == []
         ticked = await c.control("POST", "cron/tick", {"wait": True})
         assert (len(ticked["started"]), ticked["in_flight"]) == (1, 0)

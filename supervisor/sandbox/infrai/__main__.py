@@ -9,15 +9,13 @@ the field's doc); booleans take ``--flag`` / ``--no-flag``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from supervisor.sandbox.infrai.config import EmulatorConfig, FieldSpec, field_specs
 from supervisor.sandbox.infrai.server import start_emulator
-from supervisor.sandbox.process import announce, run
+from supervisor.sandbox.process import run, serve_until_signal
 
 # The variable the official examples use, so a demo needs no flag beyond exporting it.
 DEFAULT_KEY_ENV = "INFRAI_API_KEY"
@@ -89,14 +87,9 @@ def config_from_args(
 
 
 async def serve(config: EmulatorConfig, host: str, port: int) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     emulator = await start_emulator(config, host, port)
     try:
-        announce(emulator.url)
-        await stop.wait()
+        await serve_until_signal(emulator.url)
     finally:
         await emulator.close()
 

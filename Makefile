@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit e2e bench clean
+.PHONY: demo scale-demo test lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/cleanup-supervisor demo
+
+# Three replicas on this machine's PostgreSQL ($$CLEANUP_DATABASE_URL, else
+# postgres@127.0.0.1:5432), one shared rate budget: packaging/compose.yaml without containers.
+scale-demo: $(STAMP)
+	$(BIN)/cleanup-supervisor demo --shape scale --recipients 3000 --rate 100
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -66,6 +66,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_async(serve())
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """Apply the schema migrations the configured ledger lacks, and say which."""
+    cfg = config.load(_config_path(args.config))
+
+    async def migrate() -> list[str]:
+        if cfg.ledger.backend == "sqlite":
+            from supervisor.ledger.database import Database
+
+            db = Database(cfg.ledger_path)
+            await db.open()  # a SQLite file gains what it lacks at every open
+            await db.close()
+            return []
+        from supervisor import pg
+        from supervisor.backends import pg_migrations
+
+        assert cfg.ledger.dsn is not None
+        pool = await pg.create_pool(cfg.ledger.dsn.reveal(), cfg.ledger.schema, max_size=1)
+        try:
+            return await pg.migrate(pool, cfg.ledger.schema, pg_migrations())
+        finally:
+            await pool.close()
+
+    applied = run_async(migrate())
+    where = cfg.ledger_path if cfg.ledger.backend == "sqlite" else f"schema {cfg.ledger.schema}"
+    print(f"{where}: " + (", ".join(f"applied {a}" for a in applied) if applied
+                          else "up to date"))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from supervisor.demo import DemoOptions, run_demo
 
@@ -78,6 +107,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from supervisor.demo_managed import run_managed
 
         return run_async(run_managed(opts))
+    if args.shape == "scale":
+        from supervisor.demo_scale import run_scale
+
+        return run_async(run_scale(opts))
     return run_async(run_demo(opts))
 
 
@@ -295,6 +328,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
     s.set_defaults(func=cmd_serve)
 
+    s = sub.add_parser("migrate", help="apply the ledger's schema migrations (also done at start)")
+    s.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    s.set_defaults(func=cmd_migrate)
+
     s = sub.add_parser("check-config", help="validate a configuration; exit 2 on problems")
     s.add_argument("config", nargs="?")
     s.set_defaults(func=cmd_check_config)
@@ -309,9 +346,10 @@ def parser() -> argparse.ArgumentParser:
                    help="share of deletes where the partner acts, then times out")
     s.add_argument("--queue", choices=["sqlite", "infrai"], default="sqlite",
                    help="infrai: through the local Infrai emulator, pulled")
-    s.add_argument("--shape", choices=["embedded", "managed"], default="embedded",
+    s.add_argument("--shape", choices=["embedded", "managed", "scale"], default="embedded",
                    help="managed: Infrai cron -> trigger -> Infrai queue -> delete -> "
-                   "events to three sinks, all on the local emulator")
+                   "events to three sinks, all on the local emulator; scale: three "
+                   "replicas on PostgreSQL ($CLEANUP_DATABASE_URL or 127.0.0.1:5432)")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("dlq-redrive",

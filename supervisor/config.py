@@ -27,6 +27,7 @@ from supervisor.configtypes import Secret, _positive
 from supervisor.errors import ConfigError
 from supervisor.events.settings import EventsConfig, resolve_sinks
 from supervisor.infrai.settings import InfraiConfig, resolve_push_secret
+from supervisor.ledger.settings import LedgerConfig
 
 ENV_PREFIX = "CLEANUP__"
 
@@ -149,8 +150,9 @@ class SourceConfig:
 @dataclass(frozen=True, slots=True)
 class QueueConfig:
     # sqlite: a table in the ledger's own file; infrai: Infrai's managed queue, pulled
-    # (works from a private network), see [infrai].
-    backend: Literal["sqlite", "infrai"] = "sqlite"
+    # (works from a private network), see [infrai]; postgres: a table in the PostgreSQL
+    # ledger's database (claims with SKIP LOCKED, ack in the outcome's transaction).
+    backend: Literal["sqlite", "infrai", "postgres"] = "sqlite"
     lease_seconds: float = 60.0
     # A message received this many times ends its operation as failed: a poison message
     # must not circulate for ever.
@@ -301,6 +303,7 @@ class Config:
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     source: SourceConfig = field(default_factory=SourceConfig)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     infrai: InfraiConfig = field(default_factory=InfraiConfig)
     partner: PartnerConfig = field(default_factory=PartnerConfig)
@@ -313,7 +316,7 @@ class Config:
 
 
 _SECTIONS: dict[str, type[Any]] = {f.name: f.type for f in dataclasses.fields(Config)}  # type: ignore[misc]
-_SECRET_FIELDS = {"token", "secret", "push_secret"}
+_SECRET_FIELDS = {"token", "secret", "push_secret", "dsn"}
 
 
 def load(path: Path | None, environ: Mapping[str, str] | None = None) -> Config:
@@ -375,6 +378,12 @@ def _across(sections: Mapping[str, Any]) -> list[str]:
             else "infrai.tick_queue"
         out.append(f"infrai.token_env: ${var} (or ${var}_FILE) is not set; "
                    f"{why} needs the project key")
+    if sections["queue"].backend == "postgres" and sections["ledger"].backend != "postgres":
+        out.append("queue.backend = 'postgres' needs ledger.backend = 'postgres' (the queue "
+                   "is a table in the ledger's database: outcome and ack commit together)")
+    if sections["queue"].backend == "sqlite" and sections["ledger"].backend == "postgres":
+        out.append("queue.backend = 'sqlite' cannot serve ledger.backend = 'postgres' "
+                   "(replicas share no file): set queue.backend = 'postgres' or 'infrai'")
     infrai, partner = sections["infrai"], sections["partner"]
     if sections["queue"].backend == "infrai" and infrai.nack_path and \
             infrai.max_retries < partner.max_attempts:
@@ -449,6 +458,13 @@ def _build(section: str, cls: type[Any], table: dict[str, Any],
                 problems.append(problem)
                 bad_keys.add("token_env")
             kwargs["token"] = secret
+    if "dsn_env" in names:
+        var = kwargs.get("dsn_env", "CLEANUP_DATABASE_URL")
+        secret, problem = _read_secret(section, str(var), env)
+        if problem:
+            problems.append(problem.replace(f"{section}.token_env", f"{section}.dsn_env"))
+            bad_keys.add("dsn_env")
+        kwargs["dsn"] = secret
     return cls(**kwargs), problems, bad_keys
 
 

@@ -94,3 +94,18 @@ class PartialPublish(QueueError):
         self.ids = ids
         self.cause = cause
         super().__init__(f"{sum(i is not None for i in ids)} of {len(ids)} published: {cause}")
+
+
+class ScanConflict(CleanupError):
+    """A page was recorded from a cursor the run no longer holds: another scanner (a
+    replica that took the scan over) has moved it on. This scanner must stop."""
+
+    def __init__(self, run_id: str, resumed_from: str | None, current: str | None) -> None:
+        self.run_id = run_id
+        super().__init__(f"run {run_id}: scan resumed from cursor {resumed_from!r} but the run "
+                         f"is at {current!r} (another replica scans it)")
+
+
+class ReplicaFenced(StorageError):
+    """This replica's heartbeat lapsed: the others may have released what it held, so it
+    starts no attempt until its registration is fresh again."""

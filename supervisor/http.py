@@ -286,10 +286,10 @@ async def list_operations(request: web.Request) -> web.Response:
         raise ApiError(404, f"no run {run_id}")
     state = _state_param(request)
     limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
-    after = _int_param(request, "after", 0, 0, 2**62)
+    after = _cursor_param(request)
     rows = await api.ledger.list_operations(run_id, state, after, limit)
-    next_after = rows[-1][0] if len(rows) == limit else None
-    return _json({"operations": [op_view(op) for _, op in rows], "next_after": next_after})
+    next_after = rows[-1].id if len(rows) == limit else None
+    return _json({"operations": [op_view(op) for op in rows], "next_after": next_after})
 
 
 async def get_operation(request: web.Request) -> web.Response:
@@ -325,10 +325,20 @@ async def list_all_operations(request: web.Request) -> web.Response:
     if state is None:
         raise ApiError(400, "state is required")
     limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
-    after = _int_param(request, "after", 0, 0, 2**62)
+    after = _cursor_param(request)
     rows = await request.app[API].ledger.operations_in_state(state, after, limit)
-    next_after = rows[-1][0] if len(rows) == limit else None
-    return _json({"operations": [op_view(op) for _, op in rows], "next_after": next_after})
+    next_after = rows[-1].id if len(rows) == limit else None
+    return _json({"operations": [op_view(op) for op in rows], "next_after": next_after})
+
+
+def _cursor_param(request: web.Request) -> str | None:
+    """``after``: the ``next_after`` of the previous page (an operation ID)."""
+    value = request.query.get("after")
+    if value is None or value == "":
+        return None
+    if len(value) > 200 or not value.isprintable():
+        raise ApiError(400, "after must be the next_after of the previous page")
+    return value
 
 
 async def resolve_operation(request: web.Request) -> web.Response:

@@ -96,6 +96,11 @@ COMPONENT_RESTARTS = Counter(
     "cleanup_component_restarts", "Components restarted after a crash.", ["component"])
 LEDGER_HEALTHY = Gauge("cleanup_ledger_healthy", "1 when the ledger commits, 0 on a fault.")
 READY = Gauge("cleanup_ready", "1 when /readyz answers 200.")
+# Replicas (ledger.backend = "postgres"): one series per process, told apart by instance.
+ROLE_HELD = Gauge("cleanup_role_held", "1 while this process holds a singleton role.", ["role"])
+REPLICAS_REAPED = Counter(
+    "cleanup_replicas_reaped", "Replicas this one found dead and released the work of.")
+LIVE_REPLICAS = Gauge("cleanup_replicas_live", "Replicas heartbeating in the registry.")
 
 
 def publish_budget(snapshot: Snapshot) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from supervisor import metrics
 from supervisor.budget.base import RateBudget
@@ -23,8 +24,12 @@ class Monitor:
     """Wakes on every settlement (at most every 100 ms) and at least once a second."""
 
     def __init__(self, ledger: Ledger, queue: Queue, budget: RateBudget,
-                 runs_changed: asyncio.Condition, digest_cutoff_s: float | None = None) -> None:
+                 runs_changed: asyncio.Condition, digest_cutoff_s: float | None = None,
+                 finishes: Callable[[], bool] = lambda: True) -> None:
         self.digest_cutoff_s = digest_cutoff_s
+        # With replicas only the holder of the "monitor" role closes runs; every replica
+        # refreshes its own gauges and wakes its own long-polls.
+        self.finishes = finishes
         self.ledger = ledger
         self.queue = queue
         self.budget = budget
@@ -39,7 +44,7 @@ class Monitor:
                     await self.settled.wait()
             self.settled.clear()
             if self.ledger.healthy:
-                done = await self.ledger.finish_runs()
+                done = await self.ledger.finish_runs() if self.finishes() else []
                 for run_id in done:
                     log.info("run %s done", run_id, extra={"run_id": run_id, "action": "run_done"})
                 if done:

@@ -37,8 +37,8 @@ def _ok(description: str, schema: dict[str, Any], status: str = "200") -> dict[s
 _PAGE_PARAMS = [
     {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
                                                    "maximum": 1000}},
-    {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0,
-                                                   "maximum": 2**62}},
+    {"name": "after", "in": "query", "description": "the previous page's next_after",
+     "schema": {"type": "string", "maxLength": 200}},
 ]
 _STATE = {"type": "string", "enum": [s.value for s in OpState]}
 _NUM_OR_NULL = {"type": ["number", "null"]}
@@ -231,7 +231,7 @@ DOCUMENT: dict[str, Any] = {
                 "properties": {
                     "operations": {"type": "array",
                                    "items": {"$ref": "#/components/schemas/Operation"}},
-                    "next_after": {"type": ["integer", "null"]},
+                    "next_after": {"type": ["string", "null"]},
                 },
             },
             "PushDelivery": {

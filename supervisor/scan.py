@@ -18,7 +18,7 @@ import aiohttp
 
 from supervisor import metrics
 from supervisor.config import Config
-from supervisor.errors import SourceError
+from supervisor.errors import ScanConflict, SourceError
 from supervisor.ledger.base import Ledger, Run
 from supervisor.queue.base import Queue
 from supervisor.queue.courier import Courier
@@ -91,8 +91,14 @@ class Scanner:
             failures = 0
             for reason, n in page.skipped.items():
                 metrics.SCAN_SKIPPED.labels(reason).inc(n)
-            result = await self.ledger.record_page(run.id, page.ids, page.next_cursor,
-                                                   page.skipped.total())
+            try:
+                result = await self.ledger.record_page(run.id, page.ids, page.next_cursor,
+                                                       page.skipped.total(), resumed_from=cursor)
+            except ScanConflict as exc:
+                # Another replica took the scan over and moved on: this page is its now.
+                log.warning("%s; leaving the scan to it", exc,
+                            extra={"run_id": run.id, "action": "scan_conflict"})
+                return
             self._on_page.set()
             cursor = page.next_cursor
             if result.run_state is not RunState.SCANNING:

@@ -6,20 +6,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import os
 import signal
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from aiohttp import web
 
 from supervisor import metrics
-from supervisor.budget.local import LocalBudget
+from supervisor.backends import Backends, open_backends
 from supervisor.config import Config
 from supervisor.consumer import ConsumerPool
 from supervisor.errors import (
@@ -32,14 +30,11 @@ from supervisor.errors import (
 from supervisor.events.relay import EventRelay
 from supervisor.http import ApiState, create_app
 from supervisor.infrai.push import push_settings
-from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient
 from supervisor.push import PushedQueue, PushReceiver
 from supervisor.queue.base import Queue
 from supervisor.queue.infrai import InfraiQueue
-from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
 from supervisor.redrive import Redriver
 from supervisor.runs import RunOpener
@@ -50,34 +45,6 @@ from supervisor.ticks import TickPuller
 log = logging.getLogger(__name__)
 
 Factory = Callable[[], Coroutine[Any, Any, None]]
-# A storage fault counts as cleared once commits succeed this long after the last failure.
-LEDGER_RECOVER_AFTER_S = 2.0
-
-
-class DataDirLock:
-    """An exclusive lock on the data dir: the embedded queue assumes a single process."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.path = data_dir / "cleanup.lock"
-        self._fh: TextIO | None = None
-
-    def acquire(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fh = self.path.open("a")
-        except OSError as exc:
-            raise StartupError(f"data dir {self.path.parent} is not writable: {exc}") from exc
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.close()
-            raise StartupError(f"another cleanup-supervisor uses {self.path.parent}") from None
-        self._fh = fh
-
-    def release(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
 
 
 class Service:
@@ -97,7 +64,7 @@ class Service:
         self.pool: ConsumerPool | None = None
         self._restarts: dict[str, deque[float]] = {}
         self._stopping = False
-        self._db: Database | None = None
+        self._backends: Backends | None = None
 
     def request_stop(self) -> None:
         self.stop_requested.set()
@@ -108,33 +75,16 @@ class Service:
         Raises StartupError when a component cannot start (port taken, data dir locked).
         """
         c = self.config
-        lock = DataDirLock(c.service.data_dir)
-        lock.acquire()
-        db = self._db = Database(c.ledger_path, recover_after_s=LEDGER_RECOVER_AFTER_S)
-        try:
-            await db.open()
-        except BaseException:
-            lock.release()
-            raise
-        queue: Queue
-        released = 0
-        if c.queue.backend == "infrai":
-            queue = InfraiQueue(c.infrai)
-            await queue.start()
-        else:
-            sqlite_queue = queue = SqliteQueue(db)
-            released = await sqlite_queue.recover_leases()
-        ledger = SqliteLedger(db, owns_queue=queue.capabilities.transactional_ack)
-        await ledger.release_dead_owners()
-        budget = LocalBudget(c.limits, key=c.partner.base_url, store=ledger,
-                             timeout_s=c.partner.request_timeout_seconds)
-        await budget.start()
+        backends = self._backends = await open_backends(c)
+        ledger, queue, budget, roles = (backends.ledger, backends.queue, backends.budget,
+                                        backends.roles)
         partner = PartnerClient(c.partner, c.limits.concurrency)
         await partner.start()
         runs_changed = asyncio.Condition()
-        scan_wakeup = asyncio.Event()
-        publish_wakeup = asyncio.Event()
-        monitor = Monitor(ledger, queue, budget, runs_changed, c.schedule.digest_cutoff_seconds)
+        scan_wakeup = backends.wakeups["runs"]
+        publish_wakeup = backends.wakeups["outbox"]
+        monitor = Monitor(ledger, queue, budget, runs_changed, c.schedule.digest_cutoff_seconds,
+                          finishes=lambda: roles.holds("monitor"))
         scanner = Scanner(c, ledger, scan_wakeup, publish_wakeup)
         publisher = Publisher(ledger, queue, publish_wakeup)
         opener = RunOpener(c, ledger, scan_wakeup)
@@ -156,7 +106,7 @@ class Service:
         redriver = Redriver(c.queue, ledger, queue, horizon=pool.redrive_horizon)
 
         def ready() -> tuple[bool, dict[str, bool]]:
-            checks = {"ledger": ledger.healthy, "queue": queue.healthy,
+            checks = {"ledger": backends.storage_healthy(), "queue": queue.healthy,
                       "workers": pool.running, "accepting": api.accepting}
             ok = all(checks.values())
             metrics.READY.set(1 if ok else 0)
@@ -173,30 +123,36 @@ class Service:
         except OSError as exc:
             await runner.cleanup()
             await partner.close()
-            await queue.close()
-            await db.close()
-            lock.release()
+            await backends.close()
             raise StartupError(f"cannot listen on {c.service.listen}: {exc.strerror}") from exc
         sockets = runner.addresses
         host, port = sockets[0][0], sockets[0][1]
         self.url = f"http://{host}:{port}"
-        log.info("listening on %s; ledger %s; queue %s; %d workers at <= %g/s; %d leases "
-                 "handed back", self.url, c.ledger_path, c.queue.backend, c.limits.concurrency,
-                 c.limits.rate_per_second, released, extra={"action": "started"})
+        log.info("listening on %s; %s; queue %s; %d workers at <= %g/s; %d leases "
+                 "handed back", self.url, backends.describe, c.queue.backend,
+                 c.limits.concurrency, c.limits.rate_per_second, backends.released,
+                 extra={"action": "started"})
+
+        def singleton(name: str, factory: Factory) -> Factory:
+            # With replicas, one of them at a time runs it; alone, this process does.
+            return lambda: roles.run(name, factory)
 
         components: list[tuple[str, Factory]] = [
             ("monitor", monitor.run),
-            ("publisher", publisher.run),
-            ("scan", scanner.run),
+            ("finisher", singleton("monitor", _forever)),
+            ("publisher", singleton("publisher", publisher.run)),
+            ("scan", singleton("scan", scanner.run)),
             ("consumers", pool.run),
-            ("redrive", redriver.run),
+            ("redrive", singleton("redrive", redriver.run)),
         ]
+        if backends.membership is not None:
+            components.append(("heartbeat", backends.membership.run))
         # One component per events sink (a sink that is down delays only itself) and one
         # for their lag gauges and the outbox's retention.
         await relay.start()
-        components += relay.components()
+        components += [(name, singleton(name, factory)) for name, factory in relay.components()]
         if c.partner.probe_path:
-            components.append(("reconcile", reconciler.run))
+            components.append(("reconcile", singleton("reconcile", reconciler.run)))
         if c.schedule.cron is not None and c.schedule.clock == "embedded":
             components.append(("schedule", Scheduler(c.schedule, opener).run))
         tick_queue: InfraiQueue | None = None
@@ -226,7 +182,9 @@ class Service:
             summary = await pool.stop(c.service.shutdown_grace_seconds)
             tasks["consumers"].cancel()
             # 3. the monitor last, after a final pass so closed runs are recorded
-            tasks["monitor"].cancel()
+            for name in ("monitor", "finisher", "heartbeat"):
+                if name in tasks:
+                    tasks[name].cancel()
             for name in relay.names:  # undelivered events wait in the outbox for the next life
                 tasks[name].cancel()
         with contextlib.suppress(Exception):
@@ -236,12 +194,10 @@ class Service:
         # 4. close outward connections, then the ledger (it flushes pending writes)
         await runner.cleanup()
         await partner.close()
-        await queue.close()
         await relay.close()
         if tick_queue is not None:
             await tick_queue.close()
-        await db.close()
-        lock.release()
+        await backends.close()
         log.info("stopped after %.1fs: %d operations settled, %d workers, %d cut off at the "
                  "grace limit", time.monotonic() - started_at, pool.settled,
                  summary.get("workers", 0), summary.get("cut_off", 0),
@@ -276,7 +232,8 @@ class Service:
                     return
                 # A failed commit was said once already ("ledger cannot commit"), a
                 # refusing transport too: each component waiting on it is a detail.
-                reported = (self._db is not None and not self._db.healthy) or \
+                reported = (self._backends is not None
+                            and not self._backends.storage_healthy()) or \
                     isinstance(exc, QueueBlocked)
                 log.log(logging.DEBUG if reported else logging.WARNING,
                         "component %s paused: %s", name, exc,
@@ -308,6 +265,11 @@ class Service:
             if self.stop_requested.is_set():
                 return
             backoff = min(backoff * 2, s.restart_backoff_max_seconds)
+
+
+async def _forever() -> None:
+    """A role held for its own sake (the monitor's run finishing asks who holds it)."""
+    await asyncio.Event().wait()
 
 
 def install_signal_handlers(service: Service) -> Callable[[], None]:

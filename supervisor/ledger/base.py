@@ -146,11 +146,14 @@ class Ledger(Protocol):
     async def runs_to_scan(self) -> list[Run]: ...
 
     async def record_page(self, run_id: str, recipient_ids: Sequence[str],
-                          next_cursor: str | None, skipped: int) -> PageResult:
+                          next_cursor: str | None, skipped: int,
+                          resumed_from: str | None = None) -> PageResult:
         """Write one page's operations and the cursor after it, in one transaction.
 
         ``next_cursor`` None means the source is exhausted and the run starts draining.
         A recipient already in the run keeps its operation: a resumed scan adds nothing.
+        ``resumed_from`` is the cursor this page was read from: when the run no longer
+        holds it (another scanner moved on) nothing is written and ScanConflict is raised.
         """
 
     async def record_scan_failure(self, run_id: str, error: str, give_up: bool) -> None:
@@ -175,8 +178,10 @@ class Ledger(Protocol):
     async def get_operations(self, operation_ids: Sequence[str]) -> dict[str, Operation]:
         """Several operations in one read (those that exist), by ID."""
 
-    async def list_operations(self, run_id: str, state: OpState | None, after: int,
-                              limit: int) -> list[tuple[int, Operation]]: ...
+    async def list_operations(self, run_id: str, state: OpState | None, after: str | None,
+                              limit: int) -> list[Operation]:
+        """A run's operations ordered by ID, after the operation ID ``after`` (a cursor
+        that means the same in every backend: no storage row ID)."""
 
     async def attempts(self, operation_id: str) -> list[Attempt]: ...
 
@@ -201,8 +206,9 @@ class Ledger(Protocol):
     async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
         """Ambiguous operations that have settled for long enough to be probed."""
 
-    async def operations_in_state(self, state: OpState, after: int,
-                                  limit: int) -> list[tuple[int, Operation]]: ...
+    async def operations_in_state(self, state: OpState, after: str | None,
+                                  limit: int) -> list[Operation]:
+        """Operations of every run in ``state``, ordered by ID, after ``after``."""
 
     async def overdue(self, before: float | None, unposted_before: float,
                       limit: int) -> list[Message]:
@@ -273,3 +279,7 @@ class EventOutbox(Protocol):
     async def prune_events(self, sinks: Sequence[str], before: float, limit: int) -> int:
         """Delete at most ``limit`` events that every one of ``sinks`` has taken and that
         were written before ``before``; returns how many went."""
+
+
+class LedgerStore(Ledger, EventOutbox, Protocol):
+    """A ledger backend as the service holds it: the ledger and its events outbox."""

@@ -53,6 +53,7 @@ CREATE TABLE IF NOT EXISTS operations (
 );
 CREATE INDEX IF NOT EXISTS operations_state ON operations(state);
 CREATE INDEX IF NOT EXISTS operations_run_state ON operations(run_id, state);
+CREATE INDEX IF NOT EXISTS operations_run_id ON operations(run_id, id);
 
 CREATE TABLE IF NOT EXISTS attempts (
     id INTEGER PRIMARY KEY,
@@ -180,8 +181,9 @@ SELECT_CURRENT_RUN = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC L
 UPDATE_RUN_PAGE = (
     "UPDATE runs SET scan_cursor = ?, scan_pages = scan_pages + 1, "
     "discovered = discovered + ?, skipped_candidates = skipped_candidates + ? "
-    "WHERE id = ? AND state = 'scanning'"
+    "WHERE id = ? AND state = 'scanning' AND scan_cursor IS ?"
 )
+SELECT_RUN_SCAN = "SELECT state, scan_cursor FROM runs WHERE id = ?"
 UPDATE_RUN_SCANNED = (
     "UPDATE runs SET state = 'draining', scan_finished_at = ? WHERE id = ? AND state = 'scanning'"
 )
@@ -219,13 +221,13 @@ SELECT_OPERATIONS_WITH_OPEN_ATTEMPT = (
     "operations.id ORDER BY a.id DESC LIMIT 1) FROM operations "
     "WHERE id IN (SELECT value FROM json_each(?))"
 )
+# Paged by operation ID (time-ordered, unique): the cursor means the same in every backend.
 SELECT_OPERATIONS = (
-    f"SELECT rowid, {OP_COLUMNS} FROM operations WHERE run_id = ? AND rowid > ? "
-    "ORDER BY rowid LIMIT ?"
+    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = ? AND id > ? ORDER BY id LIMIT ?"
 )
 SELECT_OPERATIONS_IN_STATE = (
-    f"SELECT rowid, {OP_COLUMNS} FROM operations WHERE run_id = ? AND state = ? AND rowid > ? "
-    "ORDER BY rowid LIMIT ?"
+    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = ? AND state = ? AND id > ? "
+    "ORDER BY id LIMIT ?"
 )
 SELECT_UNPUBLISHED = (
     "SELECT run_id, id, recipient_id FROM operations WHERE state = 'discovered' "
@@ -314,8 +316,7 @@ def transition(target: OpState, guard_busy: bool, returning: bool = True) -> str
 
 
 SELECT_OPERATIONS_BY_STATE = (
-    f"SELECT rowid, {OP_COLUMNS} FROM operations WHERE state = ? AND rowid > ? "
-    "ORDER BY rowid LIMIT ?"
+    f"SELECT {OP_COLUMNS} FROM operations WHERE state = ? AND id > ? ORDER BY id LIMIT ?"
 )
 SELECT_AMBIGUOUS_DUE = (
     f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= ? "

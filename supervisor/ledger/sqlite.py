@@ -19,7 +19,7 @@ import aiosqlite
 import orjson
 
 from supervisor import states
-from supervisor.errors import OperationBusy, StorageError
+from supervisor.errors import OperationBusy, ScanConflict, StorageError
 from supervisor.ledger import outbox, sql
 from supervisor.ledger.base import (
     Attempt,
@@ -37,16 +37,30 @@ from supervisor.ledger.database import Database
 from supervisor.queue.base import Delivery, Message, QueueStats
 from supervisor.states import SETTLED, OpState, RunState
 
+_last_ms = 0
+_seq = 0
+
 
 def new_operation_id() -> str:
     """A new operation ID, and so the partner's Idempotency-Key: unique and time-ordered.
 
-    Time-ordered (a millisecond timestamp, then 64 random bits, like UUIDv7) so a run's
-    operations append to the ledger's indexes instead of landing at random places in
-    them: discovery stays linear at a million candidates. Assigned once: the unique
-    (run, recipient) row keeps the first ID even when a resumed scan reads a page again.
+    Time-ordered (a millisecond timestamp, a counter within the millisecond, then 48
+    random bits, like UUIDv7 with a monotonic counter) so a run's operations append to the
+    ledger's indexes instead of landing at random places in them (discovery stays linear
+    at a million candidates), and so paging by ID returns them in discovery order.
+    Assigned once: the unique (run, recipient) row keeps the first ID even when a resumed
+    scan reads a page again.
     """
-    return f"op_{time.time_ns() // 1_000_000:012x}{secrets.token_hex(8)}"
+    global _last_ms, _seq
+    ms = time.time_ns() // 1_000_000
+    if ms <= _last_ms:
+        ms, _seq = _last_ms, _seq + 1
+        if _seq > 0xFFFF:  # 65,536 in one millisecond: borrow the next one
+            ms, _seq = ms + 1, 0
+    else:
+        _seq = 0
+    _last_ms = ms
+    return f"op_{ms:012x}{_seq:04x}{secrets.token_hex(6)}"
 
 
 def new_run_id(now: float) -> str:
@@ -131,7 +145,8 @@ class SqliteLedger(outbox.OutboxMixin):
         return [_run(r) for r in await self.db.read(sql.SELECT_RUNS_TO_SCAN)]
 
     async def record_page(self, run_id: str, recipient_ids: Sequence[str],
-                          next_cursor: str | None, skipped: int) -> PageResult:
+                          next_cursor: str | None, skipped: int,
+                          resumed_from: str | None = None) -> PageResult:
         now = time.time()
         rows = [(new_operation_id(), run_id, rid, now, now) for rid in recipient_ids]
 
@@ -140,9 +155,12 @@ class SqliteLedger(outbox.OutboxMixin):
             await conn.executemany(sql.INSERT_OPERATION, rows)
             added = conn.total_changes - before
             cur = await conn.execute(sql.UPDATE_RUN_PAGE,
-                                     (next_cursor, added, skipped, run_id))
+                                     (next_cursor, added, skipped, run_id, resumed_from))
             if cur.rowcount == 0:
-                raise ValueError(f"run {run_id} is not scanning")
+                row = await _fetchone(conn, sql.SELECT_RUN_SCAN, (run_id,))
+                if row is None or row[0] != RunState.SCANNING.value:
+                    raise ValueError(f"run {run_id} is not scanning")
+                raise ScanConflict(run_id, resumed_from, row[1])
             state = RunState.SCANNING
             if next_cursor is None:
                 await conn.execute(sql.UPDATE_RUN_SCANNED, (now, run_id))
@@ -203,14 +221,14 @@ class SqliteLedger(outbox.OutboxMixin):
                                   (orjson.dumps(list(operation_ids)).decode(),))
         return {r[0]: _op(r, unfinished=bool(r[9])) for r in rows}
 
-    async def list_operations(self, run_id: str, state: OpState | None, after: int,
-                              limit: int) -> list[tuple[int, Operation]]:
+    async def list_operations(self, run_id: str, state: OpState | None, after: str | None,
+                              limit: int) -> list[Operation]:
         if state is None:
-            rows = await self.db.read(sql.SELECT_OPERATIONS, (run_id, after, limit))
+            rows = await self.db.read(sql.SELECT_OPERATIONS, (run_id, after or "", limit))
         else:
             rows = await self.db.read(sql.SELECT_OPERATIONS_IN_STATE,
-                                      (run_id, state.value, after, limit))
-        return [(r[0], _op(r[1:])) for r in rows]
+                                      (run_id, state.value, after or "", limit))
+        return [_op(r) for r in rows]
 
     async def attempts(self, operation_id: str) -> list[Attempt]:
         rows = await self.db.read(sql.SELECT_ATTEMPTS, (operation_id,))
@@ -418,10 +436,11 @@ class SqliteLedger(outbox.OutboxMixin):
         rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, (settled_before, limit))
         return [_op(r) for r in rows]
 
-    async def operations_in_state(self, state: OpState, after: int,
-                                  limit: int) -> list[tuple[int, Operation]]:
-        rows = await self.db.read(sql.SELECT_OPERATIONS_BY_STATE, (state.value, after, limit))
-        return [(r[0], _op(r[1:])) for r in rows]
+    async def operations_in_state(self, state: OpState, after: str | None,
+                                  limit: int) -> list[Operation]:
+        rows = await self.db.read(sql.SELECT_OPERATIONS_BY_STATE,
+                                  (state.value, after or "", limit))
+        return [_op(r) for r in rows]
 
     async def overdue(self, before: float | None, unposted_before: float,
                       limit: int) -> list[Message]:

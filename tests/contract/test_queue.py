@@ -1,12 +1,14 @@
 """The Queue protocol's contract: every transport passes this one class.
 
-Backends: the embedded SQLite queue on a real file, and the Infrai adapter against the
+Backends: the embedded SQLite queue on a real file, the PostgreSQL queue table on a
+schema of its own (tests/conftest.py's ``pg``), and the Infrai adapter against the
 emulator on loopback in each capability mix the reference leaves open (no nack and no
 extend, nack only, nack and extend, a bare-list consume answer, a strict server that
 rejects late and unknown acks). Optional methods are exercised where a transport declares
 them and must refuse cleanly where it does not.
 
-Time: the SQLite queue's leases are wall-clock (short ones, waited out); the emulator's
+Time: the SQLite and PostgreSQL queues' leases are wall-clock (short ones, waited out); the
+emulator's
 clock is advanced instead, so a visibility timeout or a delay costs no real waiting.
 """
 
@@ -17,14 +19,18 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from supervisor.config import InfraiConfig, Secret
 from supervisor.errors import QueueError
+from supervisor.ledger import pg_sql
 from supervisor.ledger.database import Database
+from supervisor.ledger.pgdb import PgDatabase
 from supervisor.queue.base import Message, Queue, Unsupported
 from supervisor.queue.infrai import InfraiQueue
+from supervisor.queue.postgres import PostgresQueue
 from supervisor.queue.sqlite import SqliteQueue
 from supervisor.sandbox.infrai import EmulatorConfig, start_emulator
 
@@ -51,21 +57,38 @@ INFRAI_MIXES: dict[str, dict[str, object]] = {
 }
 
 
-@pytest.fixture(params=["sqlite", *INFRAI_MIXES])
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    if request.param == "sqlite":
+@pytest.fixture(params=["sqlite", "postgres", *INFRAI_MIXES])
+def transport(request: pytest.FixtureRequest) -> tuple[str, Any]:
+    """The backend's name, and the PostgreSQL schema where it needs one (only there: a
+    machine without PostgreSQL still runs the others)."""
+    name = str(request.param)
+    return name, request.getfixturevalue("pg") if name == "postgres" else None
+
+
+async def sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)  # SQLite and PostgreSQL leases are wall-clock: time must pass
+
+
+@pytest.fixture
+async def backend(transport: tuple[str, Any], tmp_path: Path) -> AsyncIterator[Backend]:
+    name, pg = transport
+    if name == "sqlite":
         db = Database(tmp_path / "queue.sqlite3")
         await db.open()
-
-        async def sleep(seconds: float) -> None:
-            await asyncio.sleep(seconds)  # SQLite leases are wall-clock: time must pass
-
         try:
             yield Backend(SqliteQueue(db), lease_s=0.1, delay_s=0.2, advance=sleep)
         finally:
             await db.close()
         return
-    mix = INFRAI_MIXES[request.param]
+    if name == "postgres":
+        pgdb = PgDatabase(pg.dsn, pg.schema, "contract-replica")
+        await pgdb.open(pg_sql.MIGRATIONS)
+        try:
+            yield Backend(PostgresQueue(pgdb), lease_s=0.1, delay_s=0.2, advance=sleep)
+        finally:
+            await pgdb.close()
+        return
+    mix = INFRAI_MIXES[name]
     emulator = await start_emulator(EmulatorConfig(api_key=KEY, **mix))  # type: ignore[arg-type]
 
     async def advance(seconds: float) -> None:
@@ -218,6 +241,6 @@ class TestQueueContract:
         caps = backend.queue.capabilities
         assert dataclasses.is_dataclass(caps)
         # Acks inside the ledger's transaction only where the queue shares its database.
-        assert caps.transactional_ack is isinstance(backend.queue, SqliteQueue)
+        assert caps.transactional_ack is isinstance(backend.queue, SqliteQueue | PostgresQueue)
         assert caps.max_delay_s >= 7 * 86400.0
         assert backend.queue.healthy

@@ -466,7 +466,7 @@ class Service:
     async def operations(self, run_id: str, state: str | None = None) -> list[dict[str, Any]]:
         """Every operation of the run (in discovery order), paged through the API."""
         out: list[dict[str, Any]] = []
-        after = 0
+        after = ""
         while True:
             path = f"/v1/runs/{run_id}/operations?limit=1000&after={after}"
             if state is not None:

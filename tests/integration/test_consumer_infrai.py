@@ -139,7 +139,7 @@ async def test_a_pause_longer_than_the_visibility_timeout_reposts_and_never_doub
     reposted = metrics.QUEUE_REPOSTS._value.get() - reposts
     # Only what was held when the pause began (workers and prefetch), not the backlog.
     assert 0 < reposted <= config.limits.concurrency + 2, reposted
-    for _, op in await rig.ledger.list_operations(rig.run_id, None, 0, N):
+    for op in await rig.ledger.list_operations(rig.run_id, None, None, N):
         attempts = await rig.ledger.attempts(op.id)
         # Throttled attempts are refunded, not failed; one attempt deleted each.
         deleting = [a for a in attempts if a.outcome == "deleted"]

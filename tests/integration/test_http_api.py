@@ -300,7 +300,7 @@ async def _run_with_operations(api: Api, n: int) -> str:
 async def test_operations_page_with_after_and_next_after(api: Api) -> None:
     run_id = await _run_with_operations(api, 7)
     seen: list[str] = []
-    after = 0
+    after = ""
     pages = 0
     while True:
         status, doc = await call(api, "GET", f"/v1/runs/{run_id}/operations",

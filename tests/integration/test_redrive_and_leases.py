@@ -124,6 +124,6 @@ async def test_a_worker_held_past_its_lease_by_a_pause_keeps_its_message(
         assert await ledger.run_counts(run_id) == {OpState.DELETED: 1}
         assert (await queue.stats()) == QueueStats(0, 0, 0, 0.0)
         attempts = await ledger.attempts(
-            (await ledger.list_operations(run_id, None, 0, 1))[0][1].id)
+            (await ledger.list_operations(run_id, None, None, 1))[0].id)
         assert len(attempts) == 1
         assert sandbox.state.stats()["executions"] == 1

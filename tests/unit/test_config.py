@@ -414,7 +414,7 @@ def test_infrai_keys_are_checked(tmp_path: Path) -> None:
     path = write(tmp_path, '[queue]\nbackend = "kafka"\n[infrai]\nbase_url = "ftp://x"\n'
                  'nack_path = "v1/queue/nack"\nmax_batch = 0\nredrive_path = "/v1/redrive"\n')
     problems = problems_of(path, {**TOKEN_ENV, "INFRAI_API_KEY": "k"})
-    assert "queue.backend must be one of 'sqlite', 'infrai', got 'kafka'" in problems
+    assert "queue.backend must be one of 'sqlite', 'infrai', 'postgres', got 'kafka'" in problems
     assert "infrai.base_url must be an http(s) URL, got 'ftp://x'" in problems
     assert "infrai.nack_path must start with '/', got 'v1/queue/nack'" in problems
     assert "infrai.max_batch must be > 0, got 0" in problems

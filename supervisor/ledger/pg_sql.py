@@ -1,0 +1,379 @@
+"""Every SQL statement of the PostgreSQL ledger, queue and replica registry, by name.
+
+The same state changes as supervisor/ledger/sql.py (the SQLite ledger), in PostgreSQL's
+dialect: ``$n`` parameters, GREATEST/LEAST, arrays instead of json_each, and what only
+several writers need: an owner (``holder``, a replica) on every lease and in-flight guard,
+claims with ``FOR UPDATE SKIP LOCKED``, NOTIFY on the writes other replicas wait for.
+Times are epoch seconds (double precision), as in the SQLite file; the replica registry
+alone uses the database's clock, so replicas on hosts with skewed clocks agree on who is
+dead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from supervisor import states
+from supervisor.pg import Migration
+from supervisor.states import OpState
+
+_T = "DOUBLE PRECISION"
+MIGRATIONS = (
+    Migration("ledger", 1, (
+        f"""CREATE TABLE runs (
+            id TEXT PRIMARY KEY,
+            tick_key TEXT NOT NULL UNIQUE,
+            schedule TEXT NOT NULL,
+            scheduled_for {_T},
+            state TEXT NOT NULL,
+            source TEXT NOT NULL,
+            scan_cursor TEXT,
+            scan_pages INTEGER NOT NULL DEFAULT 0,
+            discovered INTEGER NOT NULL DEFAULT 0,
+            skipped_candidates INTEGER NOT NULL DEFAULT 0,
+            scan_failures INTEGER NOT NULL DEFAULT 0,
+            last_error TEXT,
+            created_at {_T} NOT NULL,
+            scan_finished_at {_T},
+            finished_at {_T})""",
+        "CREATE INDEX runs_unfinished ON runs(state) WHERE state != 'done'",
+        "CREATE INDEX runs_created ON runs(created_at, id)",
+        f"""CREATE TABLE operations (
+            id TEXT PRIMARY KEY,
+            run_id TEXT NOT NULL REFERENCES runs(id),
+            recipient_id TEXT NOT NULL,
+            state TEXT NOT NULL,
+            attempts INTEGER NOT NULL DEFAULT 0,
+            reason TEXT,
+            created_at {_T} NOT NULL,
+            updated_at {_T} NOT NULL,
+            owner TEXT,
+            holder TEXT,
+            busy_until {_T},
+            message_id TEXT,
+            published_at {_T},
+            due_at {_T},
+            receives INTEGER NOT NULL DEFAULT 0,
+            received_at {_T},
+            leased_until {_T},
+            UNIQUE (run_id, recipient_id))""",
+        "CREATE INDEX operations_state ON operations(state, id)",
+        "CREATE INDEX operations_run_state ON operations(run_id, state, id)",
+        "CREATE INDEX operations_run_id ON operations(run_id, id)",
+        "CREATE INDEX operations_active ON operations(state, due_at, leased_until) "
+        "WHERE state IN ('queued', 'retry_wait', 'in_flight')",
+        "CREATE INDEX operations_held ON operations(holder) WHERE holder IS NOT NULL",
+        f"""CREATE TABLE attempts (
+            id BIGSERIAL PRIMARY KEY,
+            operation_id TEXT NOT NULL REFERENCES operations(id),
+            n INTEGER NOT NULL,
+            kind TEXT NOT NULL,
+            started_at {_T} NOT NULL,
+            finished_at {_T},
+            status INTEGER,
+            outcome TEXT,
+            detail TEXT)""",
+        "CREATE INDEX attempts_operation ON attempts(operation_id, id)",
+        f"""CREATE TABLE messages (
+            operation_id TEXT PRIMARY KEY,
+            run_id TEXT NOT NULL,
+            recipient_id TEXT NOT NULL,
+            available_at {_T} NOT NULL,
+            lease_token TEXT,
+            holder TEXT,
+            receives INTEGER NOT NULL DEFAULT 0,
+            enqueued_at {_T} NOT NULL)""",
+        "CREATE INDEX messages_available ON messages(available_at)",
+        "CREATE INDEX messages_held ON messages(holder) WHERE holder IS NOT NULL",
+        f"""CREATE TABLE budget_memory (
+            key TEXT PRIMARY KEY, state TEXT NOT NULL, updated_at {_T} NOT NULL)""",
+        f"""CREATE TABLE events (
+            seq BIGSERIAL PRIMARY KEY,
+            id TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            at {_T} NOT NULL,
+            run_id TEXT NOT NULL,
+            operation_id TEXT,
+            recipient_id TEXT,
+            outcome TEXT,
+            counts TEXT)""",
+        f"""CREATE TABLE event_cursors (
+            sink TEXT PRIMARY KEY, seq BIGINT NOT NULL, updated_at {_T} NOT NULL)""",
+        f"""CREATE TABLE replicas (
+            id TEXT PRIMARY KEY,
+            host TEXT NOT NULL,
+            pid INTEGER NOT NULL,
+            started_at {_T} NOT NULL,
+            heartbeat_at {_T} NOT NULL)""",
+    )),
+)
+
+DB_NOW = "extract(epoch from clock_timestamp())::double precision"
+
+RUN_COLUMNS = (
+    "id, tick_key, schedule, scheduled_for, state, source, scan_cursor, scan_pages, "
+    "discovered, skipped_candidates, scan_failures, last_error, created_at, "
+    "scan_finished_at, finished_at"
+)
+OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at, due_at"
+
+# runs
+INSERT_RUN = (
+    "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, created_at) "
+    "VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (tick_key) DO NOTHING"
+)
+SELECT_RUN_BY_TICK = f"SELECT {RUN_COLUMNS} FROM runs WHERE tick_key = $1"
+SELECT_RECENT_RUN_OF_SCHEDULE = (
+    f"SELECT {RUN_COLUMNS} FROM runs WHERE schedule = $1 AND created_at >= $2 "
+    "ORDER BY created_at DESC LIMIT 1"
+)
+SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"
+SELECT_UNFINISHED_RUN = (
+    f"SELECT {RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
+)
+SELECT_RUNS = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC, id DESC LIMIT $1"
+SELECT_RUNS_BEFORE = (
+    f"SELECT {RUN_COLUMNS} FROM runs WHERE (created_at, id) < "
+    "(SELECT created_at, id FROM runs WHERE id = $1) ORDER BY created_at DESC, id DESC LIMIT $2"
+)
+SELECT_RUNS_TO_SCAN = (
+    f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
+)
+SELECT_CURRENT_RUN = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
+# Only from the cursor the scan resumed from: a second scanner (a holder that lost its
+# role without knowing) cannot write a page over the one that took over.
+UPDATE_RUN_PAGE = (
+    "UPDATE runs SET scan_cursor = $1, scan_pages = scan_pages + 1, "
+    "discovered = discovered + $2, skipped_candidates = skipped_candidates + $3 "
+    "WHERE id = $4 AND state = 'scanning' AND scan_cursor IS NOT DISTINCT FROM $5"
+)
+SELECT_RUN_SCAN = "SELECT state, scan_cursor FROM runs WHERE id = $1"
+UPDATE_RUN_SCANNED = (
+    "UPDATE runs SET state = 'draining', scan_finished_at = $1 WHERE id = $2 "
+    "AND state = 'scanning'"
+)
+UPDATE_RUN_SCAN_FAILURE = (
+    "UPDATE runs SET scan_failures = scan_failures + 1, last_error = $1 WHERE id = $2"
+)
+UPDATE_RUN_SCAN_ABANDONED = (
+    "UPDATE runs SET state = 'draining', scan_finished_at = $1, last_error = $2 "
+    "WHERE id = $3 AND state = 'scanning'"
+)
+UPDATE_RUNS_DONE = (
+    "UPDATE runs SET state = 'done', finished_at = $1 WHERE state = 'draining' AND NOT EXISTS ("
+    " SELECT 1 FROM operations o WHERE o.run_id = runs.id"
+    " AND o.state IN ('discovered', 'queued', 'in_flight', 'retry_wait')) RETURNING id"
+)
+REOPEN_RUN = (
+    "UPDATE runs SET state = 'draining', finished_at = NULL WHERE id = $1 AND state = 'done'"
+)
+COUNT_RUN_STATES = "SELECT state, COUNT(*) FROM operations WHERE run_id = $1 GROUP BY state"
+COUNT_AMBIGUOUS = "SELECT COUNT(*) FROM operations WHERE state = 'ambiguous'"
+
+# operations
+INSERT_OPERATIONS = (
+    "WITH added AS (INSERT INTO operations (id, run_id, recipient_id, state, created_at, "
+    "updated_at) SELECT u.id, $3, u.rid, 'discovered', $4, $4 "
+    "FROM unnest($1::text[], $2::text[]) AS u(id, rid) "
+    "ON CONFLICT (run_id, recipient_id) DO NOTHING RETURNING 1) SELECT COUNT(*) FROM added"
+)
+SELECT_OPERATION = f"SELECT {OP_COLUMNS} FROM operations WHERE id = $1"
+SELECT_OPERATIONS_WITH_OPEN_ATTEMPT = (
+    f"SELECT {OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
+    "operations.id ORDER BY a.id DESC LIMIT 1) FROM operations WHERE id = ANY($1::text[])"
+)
+# Paged by operation ID: time-ordered, unique, and no storage row ID in any cursor.
+SELECT_OPERATIONS = (
+    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = $1 AND id > $2 ORDER BY id LIMIT $3"
+)
+SELECT_OPERATIONS_IN_STATE = (
+    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = $1 AND state = $2 AND id > $3 "
+    "ORDER BY id LIMIT $4"
+)
+SELECT_OPERATIONS_BY_STATE = (
+    f"SELECT {OP_COLUMNS} FROM operations WHERE state = $1 AND id > $2 ORDER BY id LIMIT $3"
+)
+SELECT_UNPUBLISHED = (
+    "SELECT run_id, id, recipient_id FROM operations WHERE state = 'discovered' "
+    "ORDER BY id LIMIT $1"
+)
+SELECT_OP_STATE = "SELECT state, attempts, owner, busy_until FROM operations WHERE id = $1"
+RECORD_PUBLISHED = (
+    "UPDATE operations SET message_id = $1, published_at = $2,"
+    " due_at = GREATEST(COALESCE(due_at, 0), $3), leased_until = NULL, updated_at = $2,"
+    " receives = 0, state = CASE state WHEN 'discovered' THEN 'queued' ELSE state END "
+    "WHERE id = $4 AND state IN ('discovered', 'queued', 'retry_wait', 'in_flight')"
+)
+RECORD_OUTBOX = (
+    "UPDATE operations SET message_id = COALESCE(message_id, $1),"
+    " published_at = $2, due_at = COALESCE(due_at, $3), updated_at = $2,"
+    " state = 'queued' WHERE id = $4 AND state = 'discovered'"
+)
+NOTE_RECEIVED = (
+    "UPDATE operations SET receives = receives + 1, received_at = $1,"
+    " leased_until = $2, message_id = COALESCE(message_id, $3) "
+    "WHERE id = $4 RETURNING receives"
+)
+SETTLE_BOOKKEEPING = (
+    "UPDATE operations SET receives = 0,"
+    " leased_until = CASE WHEN $1 THEN leased_until ELSE NULL END,"
+    " due_at = COALESCE($2, due_at),"
+    " message_id = CASE WHEN $3 THEN NULL ELSE message_id END "
+    "WHERE id = $4"
+)
+_ACTIVE = "state IN ('queued', 'retry_wait', 'in_flight')"
+_HELD = "(state = 'in_flight' OR COALESCE(leased_until, 0) > $1)"
+_CLAIMABLE = f"(NOT {_HELD} AND due_at <= $1)"
+LEDGER_QUEUE_STATS = (
+    "SELECT"
+    f" COUNT(*) FILTER (WHERE {_CLAIMABLE}),"
+    f" COUNT(*) FILTER (WHERE NOT {_HELD} AND due_at > $1),"
+    f" COUNT(*) FILTER (WHERE {_HELD}),"
+    f" MIN(GREATEST(due_at, COALESCE(leased_until, 0))) FILTER (WHERE {_CLAIMABLE}) "
+    f"FROM operations WHERE {_ACTIVE}"
+)
+SELECT_OVERDUE = (
+    "SELECT run_id, id, recipient_id FROM operations "
+    f"WHERE {_ACTIVE} AND ("
+    " (message_id IS NULL AND state != 'in_flight' AND due_at <= $2)"
+    " OR GREATEST(COALESCE(due_at, 0), COALESCE(leased_until, 0), COALESCE(busy_until, 0),"
+    " updated_at) <= $1) ORDER BY id LIMIT $3"
+)
+
+
+@functools.cache
+def transition(target: OpState, guard_busy: bool) -> str:
+    """The guarded state change (see supervisor/ledger/sql.py): parameters are target,
+    reason, count, now, owner, busy_until, id, holder; no row back means refused."""
+    # No predecessor (nothing moves back to discovered): PostgreSQL has no ``IN ()``.
+    allowed = ", ".join(f"'{s.value}'" for s in sorted(states.predecessors(target))) or "NULL"
+    busy = (" AND (state != 'in_flight' OR busy_until IS NULL OR busy_until <= $4"
+            " OR owner = $5)") if guard_busy else ""
+    return (
+        "UPDATE operations SET state = $1, reason = COALESCE($2, reason), "
+        "attempts = attempts + $3, updated_at = $4, owner = $5, busy_until = $6, "
+        f"holder = $8 WHERE id = $7 AND state IN ({allowed}){busy} RETURNING attempts"
+    )
+
+
+SELECT_AMBIGUOUS_DUE = (
+    f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= $1 "
+    "ORDER BY updated_at LIMIT $2"
+)
+
+# attempts
+INSERT_ATTEMPT = (
+    "INSERT INTO attempts (operation_id, n, kind, started_at) VALUES ($1, $2, $3, $4) "
+    "RETURNING id"
+)
+INSERT_EVIDENCE = (
+    "INSERT INTO attempts (operation_id, n, kind, started_at, finished_at, status, outcome, "
+    "detail) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+)
+FINISH_ATTEMPT = (
+    "UPDATE attempts SET finished_at = $1, status = $2, outcome = $3, detail = $4 "
+    "WHERE id = $5 AND outcome IS NULL"
+)
+CLOSE_OPEN_ATTEMPTS = (
+    "UPDATE attempts SET finished_at = $1, outcome = 'unknown', "
+    "detail = 'no outcome recorded (process stopped or lease lost)' "
+    "WHERE operation_id = $2 AND outcome IS NULL"
+)
+SELECT_ATTEMPTS = (
+    "SELECT id, operation_id, n, kind, started_at, finished_at, status, outcome, detail "
+    "FROM attempts WHERE operation_id = $1 ORDER BY id"
+)
+
+# the queue table
+INSERT_MESSAGE = (
+    "INSERT INTO messages (operation_id, run_id, recipient_id, available_at, enqueued_at) "
+    "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (operation_id) DO NOTHING"
+)
+# SKIP LOCKED: replicas claiming at the same moment take different rows instead of
+# queueing behind one another's locks.
+CLAIM_MESSAGES = (
+    "UPDATE messages m SET available_at = $1, lease_token = $2, holder = $3, "
+    "receives = m.receives + 1 FROM (SELECT operation_id FROM messages "
+    "WHERE available_at <= $4 ORDER BY available_at LIMIT $5 FOR UPDATE SKIP LOCKED) c "
+    "WHERE m.operation_id = c.operation_id "
+    "RETURNING m.run_id, m.operation_id, m.recipient_id, m.receives"
+)
+DELETE_MESSAGE = "DELETE FROM messages WHERE operation_id = $1 AND lease_token = $2"
+RETRY_MESSAGE = (
+    "UPDATE messages SET available_at = $1, lease_token = NULL, holder = NULL "
+    "WHERE operation_id = $2 AND lease_token = $3"
+)
+EXTEND_MESSAGE = (
+    "UPDATE messages SET available_at = $1 WHERE operation_id = $2 AND lease_token = $3"
+)
+QUEUE_STATS = (
+    "SELECT "
+    " COUNT(*) FILTER (WHERE available_at <= $1),"
+    " COUNT(*) FILTER (WHERE available_at > $1 AND lease_token IS NULL),"
+    " COUNT(*) FILTER (WHERE available_at > $1 AND lease_token IS NOT NULL),"
+    " MIN(available_at) FILTER (WHERE available_at <= $1) "
+    "FROM messages"
+)
+NEXT_AVAILABLE = "SELECT MIN(available_at) FROM messages"
+NOTIFY = "SELECT pg_notify($1, $2)"
+
+# the replica registry
+REGISTER_REPLICA = (
+    f"INSERT INTO replicas (id, host, pid, started_at, heartbeat_at) VALUES ($1, $2, $3, "
+    f"{DB_NOW}, {DB_NOW}) ON CONFLICT (id) DO UPDATE SET heartbeat_at = {DB_NOW}"
+)
+HEARTBEAT = f"UPDATE replicas SET heartbeat_at = {DB_NOW} WHERE id = $1 RETURNING 1"
+# FOR SHARE: the reaper cannot declare this replica dead while it starts an attempt.
+ALIVE = f"SELECT 1 FROM replicas WHERE id = $1 AND heartbeat_at > {DB_NOW} - $2 FOR SHARE"
+REAP_REPLICAS = (
+    f"DELETE FROM replicas WHERE heartbeat_at <= {DB_NOW} - $1 AND id != $2 RETURNING id"
+)
+RELEASE_MESSAGES_OF = (
+    "UPDATE messages SET available_at = $2, lease_token = NULL, holder = NULL "
+    "WHERE holder = ANY($1::text[])"
+)
+RELEASE_GUARDS_OF = (
+    "UPDATE operations SET owner = NULL, busy_until = NULL, holder = NULL, "
+    "leased_until = NULL WHERE holder = ANY($1::text[])"
+)
+LEAVE = "DELETE FROM replicas WHERE id = $1"
+LIVE_REPLICAS = (
+    f"SELECT id, host, pid, started_at, heartbeat_at, {DB_NOW} FROM replicas ORDER BY started_at"
+)
+
+SELECT_BUDGET = "SELECT state FROM budget_memory WHERE key = $1"
+UPSERT_BUDGET = (
+    "INSERT INTO budget_memory (key, state, updated_at) VALUES ($1, $2, $3) "
+    "ON CONFLICT (key) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at"
+)
+
+# events outbox
+INSERT_OPERATION_EVENT = (
+    "INSERT INTO events (id, kind, at, run_id, operation_id, recipient_id, outcome) "
+    "SELECT $1, 'operation.settled', $2, run_id, id, recipient_id, state "
+    "FROM operations WHERE id = $3"
+)
+INSERT_RUN_EVENT = (
+    "INSERT INTO events (id, kind, at, run_id, counts) SELECT $1, 'run.finished', $2, $3, "
+    "COALESCE((SELECT json_object_agg(state, n)::text FROM (SELECT state, COUNT(*) AS n "
+    "FROM operations WHERE run_id = $3 GROUP BY state) s), '{}')"
+)
+EVENT_COLUMNS = "seq, id, kind, at, run_id, operation_id, recipient_id, outcome, counts"
+SELECT_EVENTS_AFTER = (
+    f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > $1 ORDER BY seq LIMIT $2"
+)
+# Sequences leave gaps in PostgreSQL (a rolled-back insert keeps its number): count.
+EVENT_BACKLOG = "SELECT COUNT(*), MIN(at) FROM events WHERE seq > $1"
+SELECT_EVENT_CURSOR = "SELECT seq FROM event_cursors WHERE sink = $1"
+UPSERT_EVENT_CURSOR = (
+    "INSERT INTO event_cursors (sink, seq, updated_at) VALUES ($1, $2, $3) "
+    "ON CONFLICT (sink) DO UPDATE SET seq = GREATEST(event_cursors.seq, excluded.seq), "
+    "updated_at = excluded.updated_at"
+)
+PRUNE_EVENTS = (
+    "DELETE FROM events WHERE seq IN (SELECT seq FROM events WHERE seq <= LEAST("
+    " COALESCE((SELECT MIN(COALESCE(c.seq, 0)) FROM unnest($1::text[]) AS j(sink)"
+    "  LEFT JOIN event_cursors c ON c.sink = j.sink), 9223372036854775807),"
+    " COALESCE((SELECT seq - 1 FROM events WHERE at >= $2 ORDER BY seq LIMIT 1),"
+    "  9223372036854775807)) ORDER BY seq LIMIT $3)"
+)

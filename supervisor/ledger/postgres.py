@@ -1,0 +1,409 @@
+"""The ledger on PostgreSQL, for N replicas on one database.
+
+The same state machine and bookkeeping as :class:`~supervisor.ledger.sqlite.SqliteLedger`
+(the SQL guard comes from supervisor/states.py through pg_sql.transition); what several
+writers add: every in-flight guard names its replica (``holder``) and begin_attempt
+refuses while this replica's registration is stale (the others may have released what it
+held), runs open under a transaction lock so every replica's tick dedupes on one row, a
+page commits only from the cursor its scan resumed from, and the events outbox is written
+in commit order (a transaction lock around the insert) so a sink's cursor never skips an
+event that commits late.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import asyncpg
+import orjson
+
+from supervisor import pg, states
+from supervisor.errors import OperationBusy, ReplicaFenced, ScanConflict
+from supervisor.ledger import pg_sql as sql
+from supervisor.ledger.base import (
+    Attempt,
+    Backlog,
+    Disposition,
+    Event,
+    LedgerStats,
+    OpenRunResult,
+    Operation,
+    PageResult,
+    Published,
+    Received,
+    Run,
+    Settlement,
+)
+from supervisor.ledger.outbox import new_event_id
+from supervisor.ledger.pgdb import Conn, PgDatabase
+from supervisor.ledger.sqlite import new_operation_id, new_run_id
+from supervisor.queue.base import Delivery, Message, QueueStats
+from supervisor.states import SETTLED, OpState, RunState
+
+
+def _run(r: asyncpg.Record) -> Run:
+    return Run(
+        id=r[0], tick_key=r[1], schedule=r[2], scheduled_for=r[3], state=RunState(r[4]),
+        source=orjson.loads(r[5]), scan_cursor=r[6], scan_pages=r[7], discovered=r[8],
+        skipped_candidates=r[9], scan_failures=r[10], last_error=r[11], created_at=r[12],
+        scan_finished_at=r[13], finished_at=r[14])
+
+
+def _op(r: asyncpg.Record, unfinished: bool = False) -> Operation:
+    return Operation(id=r[0], run_id=r[1], recipient_id=r[2], state=OpState(r[3]),
+                     attempts=r[4], reason=r[5], created_at=r[6], updated_at=r[7],
+                     due_at=r[8], unfinished_attempt=unfinished)
+
+
+def _event(r: asyncpg.Record) -> Event:
+    counts = orjson.loads(r[8]) if r[8] is not None else None
+    return Event(seq=r[0], id=r[1], kind=r[2], at=r[3], run_id=r[4], operation_id=r[5],
+                 recipient_id=r[6], outcome=r[7], counts=counts)
+
+
+class PostgresLedger:
+    """:class:`~supervisor.ledger.base.Ledger` and
+    :class:`~supervisor.ledger.base.EventOutbox` on one :class:`PgDatabase`."""
+
+    def __init__(self, db: PgDatabase, owns_queue: bool, fence_s: float = 2.5) -> None:
+        self.db = db
+        self._owns_queue = owns_queue
+        # No attempt starts unless our heartbeat is this fresh (half of dead_after).
+        self._fence_s = fence_s
+        self._events_lock = pg.lock_key(db.schema, "events")
+        self._open_lock = pg.lock_key(db.schema, "open_run")
+
+    @property
+    def healthy(self) -> bool:
+        return self.db.healthy
+
+    # -- runs --------------------------------------------------------------------------
+
+    async def open_run(self, tick_key: str, schedule: str, scheduled_for: float | None,
+                       source: Mapping[str, Any], skip_if_unfinished: bool,
+                       reuse_within_s: float | None = None) -> OpenRunResult:
+        async def write(conn: Conn) -> OpenRunResult:
+            # Every replica's schedule fires the same tick: one at a time decides.
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", self._open_lock)
+            existing = await conn.fetchrow(sql.SELECT_RUN_BY_TICK, tick_key)
+            if existing is None and reuse_within_s is not None:
+                existing = await conn.fetchrow(sql.SELECT_RECENT_RUN_OF_SCHEDULE, schedule,
+                                               time.time() - reuse_within_s)
+            if existing is not None:
+                return OpenRunResult(_run(existing), created=False)
+            if skip_if_unfinished:
+                busy = await conn.fetchrow(sql.SELECT_UNFINISHED_RUN)
+                if busy is not None:
+                    return OpenRunResult(None, created=False, skipped_for=_run(busy))
+            now = time.time()
+            run_id = new_run_id(now)
+            await conn.execute(sql.INSERT_RUN, run_id, tick_key, schedule, scheduled_for,
+                               RunState.SCANNING.value, orjson.dumps(source).decode(), now)
+            row = await conn.fetchrow(sql.SELECT_RUN, run_id)
+            assert row is not None
+            await self.db.notify(conn, "runs", run_id)
+            return OpenRunResult(_run(row), created=True)
+
+        return await self.db.write(write)
+
+    async def get_run(self, run_id: str) -> Run | None:
+        row = await self.db.read_one(sql.SELECT_RUN, run_id)
+        return _run(row) if row else None
+
+    async def list_runs(self, limit: int, before: str | None = None) -> list[Run]:
+        if before is None:
+            rows = await self.db.read(sql.SELECT_RUNS, limit)
+        else:
+            rows = await self.db.read(sql.SELECT_RUNS_BEFORE, before, limit)
+        return [_run(r) for r in rows]
+
+    async def run_counts(self, run_id: str) -> dict[OpState, int]:
+        rows = await self.db.read(sql.COUNT_RUN_STATES, run_id)
+        return {OpState(r[0]): r[1] for r in rows}
+
+    async def runs_to_scan(self) -> list[Run]:
+        return [_run(r) for r in await self.db.read(sql.SELECT_RUNS_TO_SCAN)]
+
+    async def record_page(self, run_id: str, recipient_ids: Sequence[str],
+                          next_cursor: str | None, skipped: int,
+                          resumed_from: str | None = None) -> PageResult:
+        now = time.time()
+        ids = [new_operation_id() for _ in recipient_ids]
+
+        async def write(conn: Conn) -> PageResult:
+            added = await conn.fetchval(sql.INSERT_OPERATIONS, ids, list(recipient_ids),
+                                        run_id, now)
+            status = await conn.execute(sql.UPDATE_RUN_PAGE, next_cursor, added, skipped,
+                                        run_id, resumed_from)
+            if status.endswith(" 0"):
+                row = await conn.fetchrow(sql.SELECT_RUN_SCAN, run_id)
+                if row is None or row[0] != RunState.SCANNING.value:
+                    raise ValueError(f"run {run_id} is not scanning")
+                raise ScanConflict(run_id, resumed_from, row[1])
+            state = RunState.SCANNING
+            if next_cursor is None:
+                await conn.execute(sql.UPDATE_RUN_SCANNED, now, run_id)
+                state = RunState.DRAINING
+            if added:
+                await self.db.notify(conn, "outbox")
+            return PageResult(int(added), state)
+
+        return await self.db.write(write)
+
+    async def record_scan_failure(self, run_id: str, error: str, give_up: bool) -> None:
+        async def write(conn: Conn) -> None:
+            await conn.execute(sql.UPDATE_RUN_SCAN_FAILURE, error[:1000], run_id)
+            if give_up:
+                await conn.execute(sql.UPDATE_RUN_SCAN_ABANDONED, time.time(),
+                                   f"scan abandoned: {error}"[:1000], run_id)
+
+        await self.db.write(write)
+
+    async def finish_runs(self) -> list[str]:
+        async def write(conn: Conn) -> list[str]:
+            now = time.time()
+            done = [r[0] for r in await conn.fetch(sql.UPDATE_RUNS_DONE, now)]
+            if done:
+                await self._lock_events(conn)
+                await conn.executemany(sql.INSERT_RUN_EVENT, [
+                    (new_event_id(), now, run_id) for run_id in done])
+            return done
+
+        return await self.db.write(write)
+
+    # -- operations --------------------------------------------------------------------
+
+    async def unpublished(self, limit: int) -> list[Message]:
+        rows = await self.db.read(sql.SELECT_UNPUBLISHED, limit)
+        return [Message(run_id=r[0], operation_id=r[1], recipient_id=r[2]) for r in rows]
+
+    async def record_published(self, published: Sequence[Published],
+                               outbox: bool = False) -> None:
+        now = time.time()
+        rows = [(p.message_id, now, p.due_at, p.operation_id) for p in published]
+        statement = sql.RECORD_OUTBOX if outbox else sql.RECORD_PUBLISHED
+
+        async def write(conn: Conn) -> None:
+            await conn.executemany(statement, rows)
+
+        await self.db.write(write)
+
+    async def note_received(self, deliveries: Sequence[Delivery],
+                            lease_s: float) -> list[Received]:
+        async def write(conn: Conn) -> dict[int, int]:
+            now = time.time()
+            counted: dict[int, int] = {}
+            for i, d in enumerate(deliveries):
+                n = await conn.fetchval(sql.NOTE_RECEIVED, now, now + lease_s, d.message_id,
+                                        d.message.operation_id)
+                if n is not None:
+                    counted[i] = int(n)
+            return counted
+
+        counted = await self.db.write(write)
+        ops = await self.get_operations([d.message.operation_id for d in deliveries])
+        return [Received(ops.get(d.message.operation_id), counted.get(i, 0))
+                for i, d in enumerate(deliveries)]
+
+    async def get_operation(self, operation_id: str) -> Operation | None:
+        return (await self.get_operations([operation_id])).get(operation_id)
+
+    async def get_operations(self, operation_ids: Sequence[str]) -> dict[str, Operation]:
+        rows = await self.db.read(sql.SELECT_OPERATIONS_WITH_OPEN_ATTEMPT, list(operation_ids))
+        return {r[0]: _op(r, unfinished=bool(r[9])) for r in rows}
+
+    async def list_operations(self, run_id: str, state: OpState | None, after: str | None,
+                              limit: int) -> list[Operation]:
+        if state is None:
+            rows = await self.db.read(sql.SELECT_OPERATIONS, run_id, after or "", limit)
+        else:
+            rows = await self.db.read(sql.SELECT_OPERATIONS_IN_STATE, run_id, state.value,
+                                      after or "", limit)
+        return [_op(r) for r in rows]
+
+    async def operations_in_state(self, state: OpState, after: str | None,
+                                  limit: int) -> list[Operation]:
+        rows = await self.db.read(sql.SELECT_OPERATIONS_BY_STATE, state.value, after or "", limit)
+        return [_op(r) for r in rows]
+
+    async def attempts(self, operation_id: str) -> list[Attempt]:
+        rows = await self.db.read(sql.SELECT_ATTEMPTS, operation_id)
+        return [Attempt(*r) for r in rows]
+
+    async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
+                            busy_s: float = 0.0, supersedes_open: bool = True) -> int:
+        async def write(conn: Conn) -> int:
+            if await conn.fetchval(sql.ALIVE, self.db.replica, self._fence_s) is None:
+                raise ReplicaFenced(f"replica {self.db.replica} is not registered as alive: "
+                                    "no attempt starts until its heartbeat is fresh")
+            now = time.time()
+            n = await _transition(conn, operation_id, OpState.IN_FLIGHT, None, count=1,
+                                  now=now, owner=owner, holder=self.db.replica,
+                                  busy_until=now + busy_s if busy_s > 0 else None)
+            if supersedes_open:
+                await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, now, operation_id)
+            return int(await conn.fetchval(sql.INSERT_ATTEMPT, operation_id, n, kind, now))
+
+        return await self.db.write(write)
+
+    async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
+        async def write(conn: Conn) -> None:
+            now = time.time()
+            for s in settlements:
+                await _transition(conn, s.operation_id, s.target, s.reason,
+                                  count=-1 if s.refund_attempt else 0, now=now)
+                if s.attempt_id is not None:
+                    await conn.execute(sql.FINISH_ATTEMPT, now, s.status, s.outcome,
+                                       s.detail, s.attempt_id)
+                elif s.target is OpState.AMBIGUOUS:
+                    await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, now, s.operation_id)
+                retry = s.disposition is Disposition.RETRY
+                await conn.execute(sql.SETTLE_BOOKKEEPING, s.disposition is Disposition.KEEP,
+                                   now + s.delay_s if retry else None,
+                                   retry and not self._owns_queue, s.operation_id)
+                if self._owns_queue and s.delivery is not None:
+                    if s.disposition is Disposition.ACK:
+                        await conn.execute(sql.DELETE_MESSAGE, s.operation_id,
+                                           s.delivery.receipt)
+                    elif retry:
+                        await conn.execute(sql.RETRY_MESSAGE, now + s.delay_s,
+                                           s.operation_id, s.delivery.receipt)
+            await self._record_settled(
+                conn, [s.operation_id for s in settlements if s.target in SETTLED], now)
+
+        await self.db.write(write)
+        if self._owns_queue:
+            return []
+        return [s for s in settlements
+                if s.delivery is not None and s.disposition is not Disposition.KEEP]
+
+    async def record_evidence(self, operation_id: str, kind: str, target: OpState,
+                              reason: str, detail: str, status: int | None = None) -> bool:
+        async def write(conn: Conn) -> None:
+            now = time.time()
+            row = await conn.fetchrow(sql.SELECT_OPERATION, operation_id)
+            if row is None:
+                raise KeyError(f"operation {operation_id} does not exist")
+            op = _op(row)
+            await _transition(conn, operation_id, target, reason, count=0, now=now)
+            await conn.execute(sql.INSERT_EVIDENCE, operation_id, op.attempts, kind, now, now,
+                               status, target.value, detail[:1000])
+            if target in SETTLED and target is not op.state:
+                await self._record_settled(conn, [operation_id], now)
+            if target is OpState.QUEUED:
+                await conn.execute(sql.REOPEN_RUN, op.run_id)
+                await conn.execute(sql.SETTLE_BOOKKEEPING, False, now, not self._owns_queue,
+                                   operation_id)
+                if self._owns_queue:
+                    await conn.execute(sql.INSERT_MESSAGE, operation_id, op.run_id,
+                                       op.recipient_id, now, now)
+                    await self.db.notify(conn, "queue")
+
+        await self.db.write(write)
+        return target is OpState.QUEUED and not self._owns_queue
+
+    async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
+        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, settled_before, limit)
+        return [_op(r) for r in rows]
+
+    async def overdue(self, before: float | None, unposted_before: float,
+                      limit: int) -> list[Message]:
+        rows = await self.db.read(sql.SELECT_OVERDUE, before, unposted_before, limit)
+        return [Message(run_id=r[0], operation_id=r[1], recipient_id=r[2]) for r in rows]
+
+    async def queue_stats(self) -> QueueStats:
+        now = time.time()
+        row = await self.db.read_one(sql.LEDGER_QUEUE_STATS, now)
+        assert row is not None
+        return QueueStats.from_row(tuple(row), now)
+
+    async def stats(self) -> LedgerStats:
+        ambiguous = await self.db.read_one(sql.COUNT_AMBIGUOUS)
+        row = await self.db.read_one(sql.SELECT_CURRENT_RUN)
+        current = _run(row) if row else None
+        counts = await self.run_counts(current.id) if current else {}
+        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0, current_run=current,
+                           current_run_by_state=counts)
+
+    async def load_budget(self, key: str) -> dict[str, Any] | None:
+        row = await self.db.read_one(sql.SELECT_BUDGET, key)
+        if row is None:
+            return None
+        try:
+            data = orjson.loads(row[0])
+        except orjson.JSONDecodeError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    async def save_budget(self, key: str, data: dict[str, Any]) -> None:
+        blob = orjson.dumps(data).decode()
+
+        async def write(conn: Conn) -> None:
+            await conn.execute(sql.UPSERT_BUDGET, key, blob, time.time())
+
+        await self.db.write(write)
+
+    async def close(self) -> None:
+        await self.db.close()
+
+    # -- the events outbox -------------------------------------------------------------
+
+    async def _lock_events(self, conn: Conn) -> None:
+        # Held to commit: events get their seq in commit order, so a sink reading past
+        # seq N never misses an event with a smaller seq that commits after it read.
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", self._events_lock)
+
+    async def _record_settled(self, conn: Conn, operation_ids: Sequence[str],
+                              now: float) -> None:
+        if operation_ids:
+            await self._lock_events(conn)
+            await conn.executemany(sql.INSERT_OPERATION_EVENT, [
+                (new_event_id(), now, op_id) for op_id in operation_ids])
+
+    async def events_after(self, seq: int, limit: int) -> list[Event]:
+        return [_event(r) for r in await self.db.read(sql.SELECT_EVENTS_AFTER, seq, limit)]
+
+    async def event_cursor(self, sink: str) -> int:
+        row = await self.db.read_one(sql.SELECT_EVENT_CURSOR, sink)
+        return int(row[0]) if row is not None else 0
+
+    async def save_event_cursor(self, sink: str, seq: int) -> None:
+        async def write(conn: Conn) -> None:
+            await conn.execute(sql.UPSERT_EVENT_CURSOR, sink, seq, time.time())
+
+        await self.db.write(write)
+
+    async def event_backlog(self, after: int) -> Backlog:
+        row = await self.db.read_one(sql.EVENT_BACKLOG, after)
+        if row is None or not row[0]:
+            return Backlog(0, None)
+        return Backlog(events=int(row[0]), oldest_at=row[1])
+
+    async def prune_events(self, sinks: Sequence[str], before: float, limit: int) -> int:
+        async def write(conn: Conn) -> int:
+            status = await conn.execute(sql.PRUNE_EVENTS, list(sinks), before, limit)
+            return int(status.rpartition(" ")[2])
+
+        return await self.db.write(write)
+
+
+async def _transition(conn: Conn, operation_id: str, target: OpState, reason: str | None,
+                      count: int, now: float, owner: str | None = None,
+                      holder: str | None = None, busy_until: float | None = None) -> int:
+    """Move one operation to ``target`` in the caller's transaction; return its attempts.
+    Raises (before anything is written) IllegalTransition, OperationBusy or KeyError."""
+    n = await conn.fetchval(sql.transition(target, owner is not None), target.value, reason,
+                            count, now, owner, busy_until, operation_id, holder)
+    if n is not None:
+        return int(n)
+    row = await conn.fetchrow(sql.SELECT_OP_STATE, operation_id)
+    if row is None:
+        raise KeyError(f"operation {operation_id} does not exist")
+    state, _, held_by, busy = row
+    if owner is not None and state == OpState.IN_FLIGHT.value and busy and busy > now \
+            and held_by != owner:
+        raise OperationBusy(operation_id, busy)
+    states.check(operation_id, OpState(state), target)
+    raise AssertionError(f"transition of {operation_id} refused for no known reason")

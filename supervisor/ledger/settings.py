@@ -1,0 +1,40 @@
+"""The ``[ledger]`` section: where runs, operations and attempts are kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from supervisor.configtypes import Secret, _positive
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerConfig:
+    # sqlite: one file in service.data_dir, one process (the data-dir lock); postgres: N
+    # replicas on one database, sharing the rate budget, singleton roles by advisory lock.
+    backend: Literal["sqlite", "postgres"] = "sqlite"
+    # The DSN (postgresql://user:password@host:port/db) comes from this environment
+    # variable, or from the file <VAR>_FILE names: never from the config file.
+    dsn_env: str = "CLEANUP_DATABASE_URL"
+    dsn: Secret | None = None
+    # Every table lives in this schema: two deployments can share one database.
+    schema: str = "cleanup"
+    pool_size: int = 10
+    # Each replica says it is alive this often; one silent for dead_after_seconds is
+    # dead, and whichever replica notices releases its leases and in-flight guards.
+    heartbeat_seconds: float = 1.0
+    dead_after_seconds: float = 5.0
+    # How often a replica not holding a singleton role (scan, outbox, redrive, reconcile,
+    # monitor) tries to take it: the takeover time after a holder dies.
+    role_poll_seconds: float = 1.0
+
+    def problems(self) -> list[str]:
+        out = _positive("ledger", self, "pool_size", "heartbeat_seconds", "dead_after_seconds",
+                        "role_poll_seconds")
+        if self.heartbeat_seconds * 2 > self.dead_after_seconds:
+            out.append(f"ledger.dead_after_seconds ({self.dead_after_seconds}) must be at least "
+                       f"twice ledger.heartbeat_seconds ({self.heartbeat_seconds})")
+        if self.backend == "postgres" and self.dsn is None:
+            out.append(f"ledger.dsn_env: ${self.dsn_env} (or ${self.dsn_env}_FILE) is not set; "
+                       "ledger.backend = 'postgres' needs the database's DSN")
+        return out

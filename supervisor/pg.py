@@ -1,0 +1,124 @@
+"""PostgreSQL plumbing shared by the ledger, the queue, replicas and the shared budget:
+one connection pool per process, schema migrations with a version table, and the
+names (advisory-lock keys, NOTIFY channels) that must not collide between two
+deployments sharing one database under different schemas.
+
+Every component that keeps tables in PostgreSQL lists its migrations as
+``(component, version, statements)``; :func:`migrate` applies the ones a database lacks,
+in order, under one advisory lock, so replicas starting together migrate once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import asyncpg
+
+from supervisor.errors import StartupError, StorageError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    component: str  # "ledger", "budget", ...: each counts its own versions
+    version: int
+    statements: tuple[str, ...]
+
+
+VERSION_TABLE = """
+CREATE TABLE IF NOT EXISTS schema_versions (
+    component TEXT PRIMARY KEY,
+    version INTEGER NOT NULL,
+    applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
+)
+"""
+
+
+def lock_key(schema: str, name: str) -> int:
+    """A stable signed 64-bit advisory-lock key for ``name`` within ``schema``: advisory
+    locks are database-wide, and two deployments in two schemas must not share roles."""
+    digest = hashlib.blake2b(f"cleanup:{schema}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def channel(schema: str, name: str) -> str:
+    """A NOTIFY channel of one schema (channels are database-wide too)."""
+    return f"cleanup_{schema}_{name}"
+
+
+async def create_pool(dsn: str, schema: str, min_size: int = 1,
+                      max_size: int = 10) -> asyncpg.Pool:
+    """A pool whose connections use ``schema``; raises StartupError naming the problem."""
+    if not SCHEMA_NAME.match(schema):
+        raise StartupError(f"ledger.schema {schema!r} must be a lower-case SQL identifier")
+    try:
+        pool = await asyncpg.create_pool(
+            dsn, min_size=min_size, max_size=max_size, command_timeout=30,
+            server_settings={"search_path": schema, "application_name": "cleanup-supervisor"})
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
+        raise StartupError(f"cannot connect to PostgreSQL: {_redact(str(exc), dsn)}") from exc
+    assert pool is not None
+    return pool
+
+
+async def connect(dsn: str, schema: str) -> asyncpg.Connection:
+    """One connection of its own (LISTEN, session advisory locks) in ``schema``."""
+    try:
+        return await asyncpg.connect(dsn, command_timeout=30, server_settings={
+            "search_path": schema, "application_name": "cleanup-supervisor"})
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
+        raise StorageError(f"cannot connect to PostgreSQL: {_redact(str(exc), dsn)}") from exc
+
+
+def _redact(message: str, dsn: str) -> str:
+    # A DSN may carry a password: an error message must never repeat it.
+    return message.replace(dsn, "<dsn>")
+
+
+async def migrate(pool: asyncpg.Pool, schema: str,
+                  migrations: Sequence[Migration]) -> list[str]:
+    """Create ``schema`` and apply every migration it lacks; return what was applied
+    (``component vN``). Idempotent, and safe with replicas starting at once."""
+    try:
+        return await _migrate(pool, schema, migrations)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise StorageError(f"cannot migrate schema {schema}: {exc}") from exc
+
+
+async def _migrate(pool: asyncpg.Pool, schema: str,
+                   migrations: Sequence[Migration]) -> list[str]:
+    applied: list[str] = []
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", lock_key(schema, "migrate"))
+        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        await conn.execute(VERSION_TABLE)
+        rows = await conn.fetch("SELECT component, version FROM schema_versions")
+        have = {r["component"]: r["version"] for r in rows}
+        for m in sorted(migrations, key=lambda m: (m.component, m.version)):
+            if m.version <= have.get(m.component, 0):
+                continue
+            for statement in m.statements:
+                await conn.execute(statement)
+            await conn.execute(
+                "INSERT INTO schema_versions (component, version) VALUES ($1, $2) "
+                "ON CONFLICT (component) DO UPDATE SET version = excluded.version, "
+                "applied_at = now()", m.component, m.version)
+            have[m.component] = m.version
+            applied.append(f"{m.component} v{m.version}")
+    if applied:
+        log.info("schema %s migrated: %s", schema, ", ".join(applied),
+                 extra={"action": "migrated"})
+    return applied
+
+
+async def versions(pool: asyncpg.Pool) -> dict[str, int]:
+    async with pool.acquire() as conn:
+        rows = await conn.fetch("SELECT component, version FROM schema_versions")
+    return {r["component"]: r["version"] for r in rows}

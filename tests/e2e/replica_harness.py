@@ -1,0 +1,110 @@
+"""Replicas on one PostgreSQL schema: real ``serve`` processes, each on its own port and
+data dir, sharing the ledger, the queue and the rate budget in the test's own schema.
+
+Results are read through the API, the partner's own record and the Ledger protocol
+(a PostgresLedger of the test's own on the same schema), never a backend's tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from conftest import E2E, Metrics, Sandbox, Sections, Service, merge
+
+from supervisor.ledger.pgdb import PgDatabase
+from supervisor.ledger.postgres import PostgresLedger
+
+SINGLETONS = ("scan", "publisher", "redrive", "monitor")
+
+
+def replica_overrides(schema: str) -> Sections:
+    return {"ledger": {"backend": "postgres", "schema": schema,
+                       "heartbeat_seconds": 0.5, "dead_after_seconds": 3.0,
+                       "role_poll_seconds": 0.5},
+            "queue": {"backend": "postgres"}}
+
+
+def replicas(e2e: E2E, sandbox: Sandbox, dsn: str, schema: str, n: int,
+             *overrides: Sections) -> list[Service]:
+    out = []
+    for i in range(n):
+        config = replica_overrides(schema)
+        for o in overrides:
+            config = merge(config, o)
+        svc = e2e.service(sandbox, config, name=f"replica-{i + 1}")
+        svc.env["CLEANUP_DATABASE_URL"] = dsn
+        out.append(svc)
+    return out
+
+
+async def start_all(services: Sequence[Service]) -> None:
+    await asyncio.gather(*(svc.start() for svc in services))
+
+
+async def metrics_of(services: Sequence[Service]) -> list[Metrics]:
+    return list(await asyncio.gather(*(svc.metrics() for svc in services)))
+
+
+def settled_by(m: Metrics) -> int:
+    return int(m.get("cleanup_operations_total", outcome="deleted")
+               + m.get("cleanup_operations_total", outcome="already_absent"))
+
+
+async def role_holders(services: Sequence[Service]) -> dict[str, list[int]]:
+    """Which replicas (by index) hold each singleton role, from their /metrics."""
+    held: dict[str, list[int]] = {role: [] for role in SINGLETONS}
+    for i, svc in enumerate(services):
+        if svc.current is None or svc.current.proc.returncode is not None:
+            continue
+        m = await svc.metrics()
+        for role in SINGLETONS:
+            if m.get("cleanup_role_held", role=role) == 1:
+                held[role].append(i)
+    return held
+
+
+async def wait_roles_on(services: Sequence[Service], alive: set[int],
+                        within_s: float) -> dict[str, list[int]]:
+    """Poll /metrics (a gauge has no event) until every role has one holder among
+    ``alive``; return the holders."""
+    deadline = time.monotonic() + within_s
+    while True:
+        held = await role_holders(services)
+        if all(len(h) == 1 and h[0] in alive for h in held.values()):
+            return held
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"roles not taken over by {alive} within {within_s}s: {held}")
+        await asyncio.sleep(0.2)
+
+
+def max_per_window(times: Sequence[float], window_s: float = 1.0) -> int:
+    """The most executions in any ``window_s`` window (sliding, starting at each one)."""
+    ts = sorted(times)
+    best, j = 0, 0
+    for i, t in enumerate(ts):
+        while ts[j] <= t - window_s:
+            j += 1
+        best = max(best, i - j + 1)
+    return best
+
+
+def no_duplicates(log: Sequence[dict[str, Any]], stats: dict[str, Any]) -> None:
+    executed = Counter(e["recipient_id"] for e in log)
+    assert stats["duplicates"] == 0, stats
+    assert max(executed.values(), default=0) <= 1, executed.most_common(3)
+
+
+@asynccontextmanager
+async def ledger_reader(dsn: str, schema: str) -> AsyncIterator[PostgresLedger]:
+    """The test's own view of the shared ledger, through the protocol."""
+    db = PgDatabase(dsn, schema, replica="e2e-reader", pool_size=2)
+    await db.open()
+    try:
+        yield PostgresLedger(db, owns_queue=True)
+    finally:
+        await db.close()

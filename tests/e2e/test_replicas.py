@@ -1,0 +1,135 @@
+"""Scale-out: three ``serve`` processes on one PostgreSQL schema (issue 10, point 4).
+
+One run drained by three replicas with zero duplicates and the aggregate rate under the
+shared ceiling in every one-second window of the partner's own log; a replica killed
+with SIGKILL mid-run and its work and roles taken over by the others; a 429 storm seen
+by one partner that cuts the rate of all three.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+import pytest
+from conftest import E2E
+from replica_harness import (
+    ledger_reader,
+    max_per_window,
+    metrics_of,
+    no_duplicates,
+    replicas,
+    settled_by,
+    start_all,
+    wait_roles_on,
+)
+
+pytestmark = pytest.mark.e2e
+
+CEILING = 60.0
+BURST = 1.25  # limits.burst, the service's default
+
+
+async def test_three_replicas_drain_one_run_under_one_ceiling(e2e: E2E, pg: Any) -> None:
+    population = 600
+    sandbox = await e2e.sandbox("--recipients", population, "--rate", 400, "--burst", 20,
+                                "--latency-ms", 5)
+    services = replicas(e2e, sandbox, pg.dsn, pg.schema, 3,
+                        {"limits": {"rate_per_second": CEILING, "concurrency": 8}})
+    await start_all(services)
+    held = await wait_roles_on(services, {0, 1, 2}, within_s=10)
+    run_id = await services[2].open_run()
+    # Another replica answers for the same run (one ledger): its long-poll ends at done.
+    run = await services[0].wait_done(run_id, within_s=60)
+    _, stats = await e2e.assert_complete(services[1], run, sandbox)
+    no_duplicates(await sandbox.log(), stats)
+
+    log = await sandbox.log()
+    assert stats["rate_limited"] == 0, stats
+    worst = max_per_window([e["t"] for e in log])
+    assert worst <= CEILING + BURST + 1, f"{worst} executions in one second (ceiling {CEILING})"
+    # Everyone drained: one budget was shared, not one each.
+    per_replica = [settled_by(m) for m in await metrics_of(services)]
+    assert sum(per_replica) == population, per_replica
+    assert all(n > population / 10 for n in per_replica), per_replica
+    # Every singleton role had exactly one holder.
+    assert all(len(h) == 1 for h in held.values()), held
+    # A second tick of the same slot on another replica dedupes on the shared ledger.
+    status, doc = await services[1].trigger()
+    assert status in (200, 201), doc
+    async with ledger_reader(pg.dsn, pg.schema) as ledger:
+        runs = await ledger.list_runs(10)
+    assert len(runs) == len({r.tick_key for r in runs})
+
+
+async def test_a_replica_killed_mid_run_is_taken_over(e2e: E2E, pg: Any) -> None:
+    population = 900
+    sandbox = await e2e.sandbox("--recipients", population, "--rate", 400, "--burst", 20,
+                                "--latency-ms", 20)
+    services = replicas(e2e, sandbox, pg.dsn, pg.schema, 3,
+                        {"limits": {"rate_per_second": 90.0, "concurrency": 8},
+                         "source": {"page_size": 100}})
+    await start_all(services)
+    held = await wait_roles_on(services, {0, 1, 2}, within_s=10)
+    # The victim holds at least one singleton role, and requests of its own in the air.
+    victim = held["scan"][0]
+    run_id = await services[victim].open_run()
+    await sandbox.wait(30, executions=population // 3)
+    services[victim].current.send(signal.SIGKILL)  # type: ignore[union-attr]
+    assert await services[victim].current.wait_exit() == -signal.SIGKILL  # type: ignore[union-attr]
+    killed_at = time.monotonic()
+    alive = {0, 1, 2} - {victim}
+    survivors = [services[i] for i in sorted(alive)]
+
+    # Its roles move to the survivors within seconds (dead after 3 s, polled every 0.5 s).
+    await wait_roles_on(services, alive, within_s=15)
+    takeover_s = time.monotonic() - killed_at
+    run = await survivors[0].wait_done(run_id, within_s=90)
+    stats = await sandbox.stats()
+    log = await sandbox.log()
+    no_duplicates(log, stats)
+    assert run["state"] == "done", run
+    assert run["unfinished"] == 0, run
+    assert run["discovered"] == population, run
+    assert run["counts"]["failed"] == 0, run
+    # The keys are honoured: whatever the kill caught in the air was resent with its key.
+    assert run["counts"]["ambiguous"] == 0, run
+    assert run["counts"]["deleted"] + run["counts"]["already_absent"] == population, run
+    reaped = sum(m.get("cleanup_replicas_reaped_total") for m in await metrics_of(survivors))
+    assert reaped >= 1, "no survivor released the dead replica's work"
+    assert takeover_s < 15, takeover_s
+
+
+async def test_a_429_storm_cuts_every_replica(e2e: E2E, pg: Any) -> None:
+    population = 3000
+    # The partner's limit is hidden and far under the ceiling: the first 429s cut the
+    # shared rate, and every replica paces at the cut rate, not only those refused.
+    sandbox = await e2e.sandbox("--recipients", population, "--rate", 400, "--burst", 5,
+                                "--latency-ms", 5)
+    services = replicas(e2e, sandbox, pg.dsn, pg.schema, 3,
+                        {"limits": {"rate_per_second": 150.0, "concurrency": 8}})
+    await start_all(services)
+    await services[0].open_run()
+    await sandbox.wait(30, executions=300)
+    await sandbox.control(rate_per_second=40.0)
+    storm_at = time.time()
+    deadline = time.monotonic() + 20
+    while True:
+        rates = [m.get("cleanup_limiter_rate_per_second") for m in await metrics_of(services)]
+        if all(r < 100 for r in rates) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)  # the gauge is refreshed each second: no event to await
+    assert all(r < 100 for r in rates), rates
+    # One budget: every replica reports the same rate (within the monitor's second).
+    assert max(rates) - min(rates) < 0.25 * max(rates), rates
+    paused = [m.get("cleanup_limiter_paused_until_timestamp_seconds")
+              for m in await metrics_of(services)]
+    assert min(paused) >= storm_at, paused  # the Retry-After held all three
+    stats = await sandbox.stats()
+    assert stats["duplicates"] == 0, stats
+    # After the cut the partner saw no more than its new limit and a burst in a second.
+    log = [e["t"] for e in await sandbox.log() if e["t"] > storm_at + 3]
+    if log:
+        assert max_per_window(log) <= 40 + 10, max_per_window(log)

@@ -43,7 +43,9 @@ CREATE TABLE IF NOT EXISTS schema_versions (
 
 def lock_key(schema: str, name: str) -> int:
     """A stable signed 64-bit advisory-lock key for ``name`` within ``schema``: advisory
-    locks are database-wide, and two deployments in two schemas must not share roles."""
+    locks are database-wide, and two deployments in two schemas must not share roles.
+    Names carry their kind (``role:scan``, ``xact:events``, ``budget:<key>``): a role's
+    session lock and a transaction lock must never share a key."""
     digest = hashlib.blake2b(f"cleanup:{schema}:{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
@@ -61,7 +63,7 @@ async def create_pool(dsn: str, schema: str, min_size: int = 1,
     try:
         pool = await asyncpg.create_pool(
             dsn, min_size=min_size, max_size=max_size, command_timeout=30,
-            server_settings={"search_path": schema, "application_name": "cleanup-supervisor"})
+            server_settings=_settings(schema))
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
         raise StartupError(f"cannot connect to PostgreSQL: {_redact(str(exc), dsn)}") from exc
     assert pool is not None
@@ -71,10 +73,15 @@ async def create_pool(dsn: str, schema: str, min_size: int = 1,
 async def connect(dsn: str, schema: str) -> asyncpg.Connection:
     """One connection of its own (LISTEN, session advisory locks) in ``schema``."""
     try:
-        return await asyncpg.connect(dsn, command_timeout=30, server_settings={
-            "search_path": schema, "application_name": "cleanup-supervisor"})
+        return await asyncpg.connect(dsn, command_timeout=30, server_settings=_settings(schema))
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
         raise StorageError(f"cannot connect to PostgreSQL: {_redact(str(exc), dsn)}") from exc
+
+
+def _settings(schema: str) -> dict[str, str]:
+    # The schema in the application name: an operator (or a test) tells deployments
+    # sharing one server apart in pg_stat_activity.
+    return {"search_path": schema, "application_name": f"cleanup-supervisor:{schema}"}
 
 
 def _redact(message: str, dsn: str) -> str:
@@ -96,7 +103,7 @@ async def _migrate(pool: asyncpg.Pool, schema: str,
                    migrations: Sequence[Migration]) -> list[str]:
     applied: list[str] = []
     async with pool.acquire() as conn, conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", lock_key(schema, "migrate"))
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", lock_key(schema, "xact:migrate"))
         await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
         await conn.execute(VERSION_TABLE)
         rows = await conn.fetch("SELECT component, version FROM schema_versions")

@@ -94,7 +94,7 @@ class AdvisoryRoles:
             try:
                 conn = await self._connection()
                 return bool(await conn.fetchval("SELECT pg_try_advisory_lock($1)",
-                                                pg.lock_key(self.schema, name)))
+                                                pg.lock_key(self.schema, f"role:{name}")))
             except (asyncpg.PostgresError, *STORAGE) as exc:
                 self._drop(exc)
                 return False
@@ -106,7 +106,7 @@ class AdvisoryRoles:
             if self._conn is not None and not self._conn.is_closed():
                 with contextlib.suppress(asyncpg.PostgresError, *STORAGE):
                     await self._conn.execute("SELECT pg_advisory_unlock($1)",
-                                             pg.lock_key(self.schema, name))
+                                             pg.lock_key(self.schema, f"role:{name}"))
 
     def _drop(self, exc: BaseException) -> None:
         if self._held:

@@ -62,6 +62,10 @@ async def pg() -> AsyncIterator[PgSchema]:
     yield PgSchema(dsn, schema)
     conn = await asyncpg.connect(dsn)
     try:
+        # Sessions a test left behind (a killed replica's, not yet noticed by the server)
+        # would hold locks the drop waits for.
+        await conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                           "WHERE application_name = $1", f"cleanup-supervisor:{schema}")
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
         await conn.close()

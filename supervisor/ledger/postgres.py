@@ -72,8 +72,8 @@ class PostgresLedger:
         self._owns_queue = owns_queue
         # No attempt starts unless our heartbeat is this fresh (half of dead_after).
         self._fence_s = fence_s
-        self._events_lock = pg.lock_key(db.schema, "events")
-        self._open_lock = pg.lock_key(db.schema, "open_run")
+        self._events_lock = pg.lock_key(db.schema, "xact:events")
+        self._open_lock = pg.lock_key(db.schema, "xact:open_run")
 
     @property
     def healthy(self) -> bool:

@@ -1,15 +1,15 @@
 """The RateBudget contract: what the consumer, the reconciler and the monitor rely on,
-run against every implementation (the in-process one today; a budget shared through
-PostgreSQL later joins the ``make`` fixture and must pass the same class). Memory goes
-through the real ledger (a SQLite file), as it does in the service."""
+run against every implementation: the in-process one, whose memory goes through the real
+ledger (a SQLite file), as it does in the service, and the one shared through PostgreSQL,
+whose memory is its row (a schema of its own per test; the ledger argument is unused)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 import pytest
 
@@ -17,20 +17,61 @@ from supervisor.budget import policy
 from supervisor.budget.base import Feedback, Outcome, RateBudget
 from supervisor.budget.local import LocalBudget, MemoryStore
 from supervisor.budget.policy import BudgetState
+from supervisor.budget.postgres import MIGRATIONS, PostgresBudget
 from supervisor.config import LimitsConfig, QuotaConfig
 from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.pg import create_pool, migrate
 
 Factory = Callable[..., RateBudget]
 
 
+def _limits(**limits: Any) -> LimitsConfig:
+    return LimitsConfig(**{"rate_per_second": 40.0, "concurrency": 4, **limits})
+
+
 def _local(store: MemoryStore, **limits: Any) -> RateBudget:
-    return LocalBudget(LimitsConfig(**{"rate_per_second": 40.0, "concurrency": 4, **limits}),
-                       key="http://partner", store=store)
+    return LocalBudget(_limits(**limits), key="http://partner", store=store)
 
 
-@pytest.fixture(params=[_local], ids=["local"])
+class PgSchema(Protocol):
+    dsn: str
+    schema: str
+
+
+@pytest.fixture
+async def postgres(pg: PgSchema) -> AsyncIterator[Factory]:
+    """Budgets on one schema. Each one made is a new life of the one process: starting it
+    closes the earlier ones first (a restart), as a second LocalBudget is a new life."""
+    pool = await create_pool(pg.dsn, pg.schema, min_size=1, max_size=4)
+    await migrate(pool, pg.schema, MIGRATIONS)
+    lives: list[PostgresBudget] = []
+
+    class Restarted(PostgresBudget):
+        async def start(self) -> None:
+            for earlier in lives:
+                if earlier is not self:
+                    await earlier.close()
+            await super().start()
+
+    def make(_store: object, **limits: Any) -> RateBudget:
+        budget = Restarted(_limits(**limits), key="http://partner", pool=pool, dsn=pg.dsn,
+                           schema=pg.schema)
+        lives.append(budget)
+        return budget
+
+    try:
+        yield make
+    finally:
+        for budget in lives:
+            await budget.close()
+        await pool.close()
+
+
+@pytest.fixture(params=["local", "postgres"])
 def make(request: pytest.FixtureRequest) -> Factory:
-    return request.param  # type: ignore[no-any-return]
+    if request.param == "local":
+        return _local
+    return request.getfixturevalue("postgres")  # type: ignore[no-any-return]
 
 
 class TestRateBudgetContract:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 from conftest import E2E, Metrics, Sandbox, Sections, Service, merge
 
 from supervisor.ledger.pgdb import PgDatabase
@@ -61,7 +62,10 @@ async def role_holders(services: Sequence[Service]) -> dict[str, list[int]]:
     for i, svc in enumerate(services):
         if svc.current is None or svc.current.proc.returncode is not None:
             continue
-        m = await svc.metrics()
+        try:
+            m = await svc.metrics()
+        except aiohttp.ClientConnectionError:
+            continue  # restarting: not listening yet
         for role in SINGLETONS:
             if m.get("cleanup_role_held", role=role) == 1:
                 held[role].append(i)
@@ -108,3 +112,21 @@ async def ledger_reader(dsn: str, schema: str) -> AsyncIterator[PostgresLedger]:
         yield PostgresLedger(db, owns_queue=True)
     finally:
         await db.close()
+
+
+async def settle_run(svc: Service, run_id: str, within_s: float = 120.0) -> dict[str, Any]:
+    """The run once done with nothing ambiguous left. The probes that settle ambiguous
+    operations run on whichever replica holds the reconcile role, so there is no one
+    log to wait on: long-poll until done, then poll the run (a deadline, not a sync)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = int(min(30, max(1, deadline - time.monotonic())))
+        status, doc = await svc.request("GET", f"/v1/runs/{run_id}?wait=done&timeout={left}")
+        assert status == 200, doc
+        assert doc["state"] != "done" or doc["unfinished"] == 0, doc
+        if doc["state"] == "done" and not doc["counts"]["ambiguous"]:
+            return dict(doc)
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"run {run_id} not settled after {within_s}s: {doc}")
+        if doc["state"] == "done":
+            await asyncio.sleep(0.25)

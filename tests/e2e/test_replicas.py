@@ -32,7 +32,7 @@ CEILING = 60.0
 BURST = 1.25  # limits.burst, the service's default
 
 
-async def test_three_replicas_drain_one_run_under_one_ceiling(e2e: E2E, pg: Any) -> None:
+async def test_three_replicas_drain_one_run_under_one_ceiling(pg: Any, e2e: E2E) -> None:
     population = 600
     sandbox = await e2e.sandbox("--recipients", population, "--rate", 400, "--burst", 20,
                                 "--latency-ms", 5)
@@ -64,7 +64,7 @@ async def test_three_replicas_drain_one_run_under_one_ceiling(e2e: E2E, pg: Any)
     assert len(runs) == len({r.tick_key for r in runs})
 
 
-async def test_a_replica_killed_mid_run_is_taken_over(e2e: E2E, pg: Any) -> None:
+async def test_a_replica_killed_mid_run_is_taken_over(pg: Any, e2e: E2E) -> None:
     population = 900
     sandbox = await e2e.sandbox("--recipients", population, "--rate", 400, "--burst", 20,
                                 "--latency-ms", 20)
@@ -102,7 +102,7 @@ async def test_a_replica_killed_mid_run_is_taken_over(e2e: E2E, pg: Any) -> None
     assert takeover_s < 15, takeover_s
 
 
-async def test_a_429_storm_cuts_every_replica(e2e: E2E, pg: Any) -> None:
+async def test_a_429_storm_cuts_every_replica(pg: Any, e2e: E2E) -> None:
     population = 3000
     # The partner's limit is hidden and far under the ceiling: the first 429s cut the
     # shared rate, and every replica paces at the cut rate, not only those refused.

@@ -392,7 +392,7 @@ class RoleProbe:
 
 
 async def role_holder(pg: Any, conn: asyncpg.Connection, name: str) -> int:
-    key = pgnames.lock_key(pg.schema, name) & 0xFFFFFFFFFFFFFFFF
+    key = pgnames.lock_key(pg.schema, f"role:{name}") & 0xFFFFFFFFFFFFFFFF
     rows = await conn.fetch(
         "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
         "AND classid = $1::bigint::oid AND objid = $2::bigint::oid", key >> 32, key & 0xFFFFFFFF)

@@ -1,0 +1,387 @@
+"""The rate budget shared through PostgreSQL: several PostgresBudget instances, each with a
+pool and a LISTEN connection of its own, stand in for replicas in one process (and, in
+the last test, real processes). Real PostgreSQL (the ``pg`` fixture), real clocks, short
+runs; synchronisation by polling a condition with a deadline, never by a bare sleep."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import asyncpg
+import pytest
+
+from supervisor.budget import policy
+from supervisor.budget.base import Feedback, Outcome, Policy
+from supervisor.budget.policy import BudgetState, PolicyConfig
+from supervisor.budget.postgres import MIGRATIONS, PostgresBudget
+from supervisor.config import LimitsConfig, QuotaConfig
+from supervisor.pg import create_pool, migrate
+
+KEY = "http://partner"
+CEILING = 50.0
+BURST = LimitsConfig().burst
+OK = Feedback(Outcome.OK, 0.001)
+ROOT = str(Path(__file__).resolve().parents[2])  # the repository, for the replica processes
+
+Make = Callable[..., Awaitable[PostgresBudget]]
+
+
+class PgSchema(Protocol):
+    dsn: str
+    schema: str
+
+
+def limits(**overrides: Any) -> LimitsConfig:
+    return LimitsConfig(**{"rate_per_second": CEILING, "concurrency": 8, **overrides})
+
+
+@pytest.fixture
+async def replicas(pg: PgSchema) -> AsyncIterator[Make]:
+    """``await make(**limits)``: one more replica, started, on a pool of its own."""
+    pools: list[asyncpg.Pool] = []
+    budgets: list[PostgresBudget] = []
+
+    async def make(**overrides: Any) -> PostgresBudget:
+        pool = await create_pool(pg.dsn, pg.schema, min_size=1, max_size=4)
+        pools.append(pool)
+        await migrate(pool, pg.schema, MIGRATIONS)
+        budget = PostgresBudget(limits(**overrides), KEY, pool, pg.dsn, pg.schema)
+        budgets.append(budget)
+        await budget.start()
+        return budget
+
+    try:
+        yield make
+    finally:
+        for budget in budgets:
+            await budget.close()
+        for pool in pools:
+            await pool.close()
+
+
+async def until(condition: Callable[[], bool], deadline_s: float) -> float:
+    """Poll ``condition`` every millisecond; the seconds it took (TimeoutError past the
+    deadline)."""
+    started = time.monotonic()
+    async with asyncio.timeout(deadline_s):
+        while not condition():  # noqa: ASYNC110 - a snapshot to poll, no event to await
+            await asyncio.sleep(0.001)
+    return time.monotonic() - started
+
+
+async def work(budget: PostgresBudget, grants: list[float], stop: float) -> None:
+    """One worker: requests answered at once, until the wall-clock time ``stop``."""
+    while True:
+        grant = await budget.acquire()
+        budget.release(grant, OK)
+        if grant.at >= stop:
+            return
+        grants.append(grant.at)
+
+
+def busiest_second(times: list[float]) -> int:
+    """The most grants in any window [t, t + 1 s)."""
+    times = sorted(times)
+    return max((bisect.bisect_left(times, t + 1.0) - i for i, t in enumerate(times)), default=0)
+
+
+async def shared_row(pg: PgSchema) -> tuple[BudgetState, int]:
+    """The row's state and version, read apart from every replica."""
+    conn = await asyncpg.connect(pg.dsn)
+    try:
+        row = await conn.fetchrow(f'SELECT state::text, version FROM "{pg.schema}".rate_budget '
+                                  "WHERE key = $1", KEY)
+    finally:
+        await conn.close()
+    assert row is not None
+    return BudgetState.from_dict(json.loads(row["state"])), row["version"]
+
+
+async def shared_state(pg: PgSchema) -> BudgetState:
+    return (await shared_row(pg))[0]
+
+
+async def test_the_aggregate_never_exceeds_the_ceiling_and_costs_little(
+        replicas: Make) -> None:
+    budgets = [await replicas() for _ in range(3)]
+    before = sum(b.statements for b in budgets), sum(b.grants for b in budgets)
+    grants: list[list[float]] = [[] for _ in budgets]
+    stop = time.time() + 2.5
+    await asyncio.gather(*(work(b, grants[i], stop) for i, b in enumerate(budgets)
+                           for _ in range(6)))
+    statements = sum(b.statements for b in budgets) - before[0]
+    granted = sum(b.grants for b in budgets) - before[1]
+    everything = [t for per_replica in grants for t in per_replica]
+    print(f"\n{len(everything)} grants in 2.5 s, busiest second {busiest_second(everything)}, "
+          f"{statements / granted:.3f} statements per grant, "
+          f"{sum(b.reservations for b in budgets)} reservations")
+    assert busiest_second(everything) <= CEILING + BURST
+    assert len(everything) >= 0.9 * 2.5 * CEILING * (1 - LimitsConfig().headroom)
+    assert all(len(g) > 0.15 * len(everything) for g in grants)  # every replica has a share
+    assert statements / granted < 0.5
+
+
+async def test_a_429_on_one_replica_cuts_the_rate_of_every_replica_at_once(
+        replicas: Make) -> None:
+    a, b, c = [await replicas() for _ in range(3)]
+    before = b.snapshot().rate
+    grant = await a.acquire()
+    a.release(grant, Feedback(Outcome.THROTTLED, 0.001, retry_after_s=0.5))
+    cut = a.snapshot().rate
+    assert cut < before  # this replica at once
+    took = await until(lambda: b.snapshot().rate < before and c.snapshot().rate < before, 0.1)
+    print(f"\nthe cut reached the other replicas in {1000 * took:.1f} ms")
+    assert b.snapshot().rate == pytest.approx(cut)
+    assert c.snapshot().paused_until == a.snapshot().paused_until
+
+
+async def test_a_retry_after_pause_holds_every_worker_of_every_replica(
+        replicas: Make) -> None:
+    a, b, c = [await replicas() for _ in range(3)]
+    grants: list[float] = []
+    stop = time.time() + 30
+    workers = [asyncio.create_task(work(r, grants, stop)) for r in (b, c) for _ in range(4)]
+    try:
+        await until(lambda: len(grants) >= 10, 2.0)  # b and c are sending
+        a.release(await a.acquire(), Feedback(Outcome.THROTTLED, 0.001, retry_after_s=0.6))
+        paused_at, until_t = time.time(), a.snapshot().paused_until
+        await until(lambda: b.snapshot().paused_until == c.snapshot().paused_until == until_t,
+                    0.1)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(b.acquire(), 0.3)  # a worker that arrives now waits too
+        await until(lambda: any(t >= until_t for t in grants), 2.0)
+    finally:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    # Nothing left b or c once the pause was known (within 100 ms of the 429).
+    assert not [t for t in grants if paused_at + 0.1 <= t < until_t]
+
+
+async def test_a_pause_survives_every_replica_and_a_new_life_remembers_once(
+        replicas: Make, pg: PgSchema) -> None:
+    a, b = await replicas(), await replicas()
+    a.release(await a.acquire(), Feedback(Outcome.THROTTLED, 0.001, retry_after_s=1.0))
+    learnt = a.snapshot().state.w_max
+    assert learnt is not None
+    until_t = time.time() + 600
+    b.pause(until_t, "maintenance")
+    await a.save()
+    await b.save()
+    await a.close()
+    await b.close()
+
+    # Two replicas starting together after all were gone: the new life is applied once.
+    c, d = await asyncio.gather(replicas(), replicas())
+    for r in (c, d):
+        snap = r.snapshot()
+        assert snap.paused_until == pytest.approx(until_t)
+        assert snap.state.pause_reason == "maintenance"
+        assert snap.state.w_max == pytest.approx(learnt * policy.PROBE_BACK)
+    assert (await shared_state(pg)).w_max == pytest.approx(learnt * policy.PROBE_BACK)
+    # One joining a live budget takes it as it is.
+    e = await replicas()
+    assert e.snapshot().state.w_max == pytest.approx(learnt * policy.PROBE_BACK)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(e.acquire(), 0.2)
+
+
+async def test_one_429_storm_seen_by_three_replicas_cuts_once(
+        replicas: Make, pg: PgSchema) -> None:
+    budgets = [await replicas() for _ in range(3)]
+    initial = budgets[0].snapshot().state
+    grants = [await b.acquire() for b in budgets]  # all sent before any cut
+    for b, g in zip(budgets, grants, strict=True):
+        b.release(g, Feedback(Outcome.THROTTLED, 0.001, retry_after_s=1.0))
+    await asyncio.gather(*(b.save() for b in budgets))
+    shared = await shared_state(pg)
+    cfg = PolicyConfig.from_limits(limits())
+    once = policy.step(cfg, initial, policy.Throttle(grants[0].at, 1.0), time.time())
+    assert shared.rate == pytest.approx(once.rate)  # one edge trim, not three
+    assert shared.w_max == pytest.approx(once.w_max)
+    await until(lambda: all(b.snapshot().state.cut_at == shared.cut_at for b in budgets), 1.5)
+    assert {round(b.snapshot().rate, 6) for b in budgets} == {round(once.rate, 6)}
+
+
+async def test_a_configured_quota_is_shared_by_every_replica(replicas: Make) -> None:
+    quota = (QuotaConfig(limit=30, period_seconds=60.0, name="thirty"),)
+    budgets = [await replicas(quota=quota) for _ in range(3)]
+    grants: list[float] = []
+    stop = time.time() + 30
+    workers = [asyncio.create_task(work(b, grants, stop)) for b in budgets for _ in range(4)]
+    try:
+        await until(lambda: len(grants) >= 30, 3.0)
+        with pytest.raises(TimeoutError):
+            await until(lambda: len(grants) > 30, 0.3)
+    finally:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    assert len(grants) == 30  # not 90
+    for b in budgets:
+        (view,) = b.snapshot().quotas
+        assert (view.name, view.remaining) == ("thirty", 0)
+        assert b.snapshot().held_for(time.time()) > 50
+
+
+async def test_a_lost_listen_connection_is_reconnected(replicas: Make, pg: PgSchema) -> None:
+    a, b = await replicas(), await replicas()
+    listen = b._listen  # white box: the connection to cut
+    assert listen is not None
+    conn = await asyncpg.connect(pg.dsn)
+    try:
+        await conn.execute("SELECT pg_terminate_backend($1)", listen.get_server_pid())
+    finally:
+        await conn.close()
+    before = b.snapshot().rate
+    a.release(await a.acquire(), Feedback(Outcome.THROTTLED, 0.001, retry_after_s=0.2))
+    # The notification is lost; the next read (at most a second on) or the reconnection
+    # brings the cut anyway.
+    await until(lambda: b.snapshot().rate < before, 1.5)
+    await until(lambda: b._listen is not None and b._listen is not listen
+                and not b._listen.is_closed(), 1.5)
+
+
+async def test_successes_write_only_what_time_does_not_give(
+        replicas: Make, pg: PgSchema) -> None:
+    a, b = await replicas(), await replicas()
+    a.release(await a.acquire(), Feedback(Outcome.THROTTLED, 0.001, retry_after_s=None))
+    await a.save()
+    assert (await shared_state(pg)).blind == 1  # our own backoff, doubling per 429 in a row
+    await until(lambda: b.snapshot().state.blind == 1, 0.1)
+    b.release(await b.acquire(), OK)  # the first success ends the run of 429s: for everyone
+    await b.save()
+    state, version = await shared_row(pg)
+    assert state.blind == 0
+    await until(lambda: a.snapshot().state.blind == 0, 0.1)
+    for _ in range(3):  # the recovery climbs with time: nothing for the row
+        b.release(await b.acquire(), OK)
+    await b.save()
+    assert (await shared_row(pg))[1] == version
+
+
+async def test_an_announced_limit_is_shared_and_written_once(
+        replicas: Make, pg: PgSchema) -> None:
+    a, b = await replicas(), await replicas()
+    announced = Feedback(Outcome.OK, 0.001,
+                         policies=(Policy("default", 30, 1.0, remaining=10, reset_s=1.0),))
+    a.release(await a.acquire(), announced)
+    assert a.snapshot().state.announced == 30.0
+    await until(lambda: b.snapshot().state.announced == 30.0, 0.1)
+    assert b.snapshot().rate <= 30.0
+    await a.save()
+    version = (await shared_row(pg))[1]
+    a.release(await a.acquire(), announced)  # the same again changes nothing
+    await a.save()
+    assert (await shared_row(pg))[1] == version
+
+
+async def test_a_failed_write_is_retried_and_the_cut_never_lost(replicas: Make) -> None:
+    a, b = await replicas(), await replicas()
+    before = b.snapshot().rate
+    locked, calls = a._table.locked, 0  # white box: the row's database fails once
+
+    async def flaky(decide: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise OSError("connection reset by peer")
+        return await locked(decide)
+
+    a._table.locked = flaky  # type: ignore[method-assign]
+    a.release(await a.acquire(), Feedback(Outcome.THROTTLED, 0.001, retry_after_s=0.3))
+    cut = a.snapshot().rate
+    assert cut < before
+    await a.save()  # the write fails: logged, kept, not raised
+    assert calls == 1
+    # The next refresh (at most a second on) writes it, and every replica learns it.
+    await until(lambda: b.snapshot().rate == pytest.approx(cut), 2.0)
+    assert calls == 2
+    assert a.snapshot().rate == pytest.approx(cut)  # a's own reads never undid it meanwhile
+
+
+async def test_its_own_notification_first_does_not_apply_a_429_twice(
+        replicas: Make, pg: PgSchema) -> None:
+    a = await replicas()
+    locked = a._table.locked  # white box: the NOTIFY of a write overtakes its answer
+    seen: list[int] = []
+
+    async def notified_first(decide: Any) -> Any:
+        row = await locked(decide)
+        a._on_notify(None, 0, "", json.dumps({"key": KEY, "version": row.version,
+                                               "epoch": row.epoch, "state": row.state}))
+        seen.append(a.snapshot().state.blind)  # the view, before the writer's answer
+        return row
+
+    a._table.locked = notified_first  # type: ignore[method-assign]
+    a.release(await a.acquire(), Feedback(Outcome.THROTTLED, 0.001, retry_after_s=None))
+    await a.save()
+    shared = await shared_state(pg)
+    assert shared.blind == 1
+    # Never two 429s in a row: the backoff did not double, not even for a moment.
+    assert seen == [1]
+    assert a.snapshot().state.blind == 1
+    assert a.snapshot().paused_until == shared.paused_until
+
+
+REPLICA = """
+import asyncio, json, sys, time
+from supervisor.budget.base import Feedback, Outcome
+from supervisor.budget.postgres import MIGRATIONS, PostgresBudget
+from supervisor.config import LimitsConfig
+from supervisor.pg import create_pool, migrate
+
+async def main(dsn, schema, key, ceiling, begin, stop):
+    pool = await create_pool(dsn, schema, min_size=1, max_size=4)
+    await migrate(pool, schema, MIGRATIONS)
+    budget = PostgresBudget(LimitsConfig(rate_per_second=ceiling, concurrency=8), key, pool,
+                            dsn, schema)
+    await budget.start()
+    await asyncio.sleep(max(0.0, begin - time.time()))
+    grants, before = [], budget.statements
+
+    async def work():
+        while True:
+            grant = await budget.acquire()
+            budget.release(grant, Feedback(Outcome.OK, 0.001))
+            if grant.at >= stop:
+                return
+            grants.append(grant.at)
+
+    await asyncio.gather(*(work() for _ in range(6)))
+    print(json.dumps({"grants": grants, "statements": budget.statements - before}))
+    await budget.close()
+    await pool.close()
+
+asyncio.run(main(*sys.argv[1:4], *map(float, sys.argv[4:])))
+"""
+
+
+async def test_real_processes_share_the_ceiling(pg: PgSchema) -> None:
+    begin = time.time() + 1.5  # every process imported, connected and started by then
+    stop = begin + 2.0
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, "-c", REPLICA, pg.dsn, pg.schema, KEY, str(CEILING), str(begin),
+        str(stop), stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT})
+        for _ in range(3)]
+    outputs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), 15)
+    assert all(p.returncode == 0 for p in procs)
+    results = [json.loads(out) for out, _ in outputs]
+    everything = [t for r in results for t in r["grants"]]
+    statements = sum(r["statements"] for r in results)
+    print(f"\n3 processes: {len(everything)} grants in 2 s, busiest second "
+          f"{busiest_second(everything)}, {statements / len(everything):.3f} statements per "
+          "grant")
+    assert busiest_second(everything) <= CEILING + BURST
+    # Not starved (loosely: three processes on a busy machine lose some slots to late
+    # wake-ups, never more than the rate).
+    assert len(everything) >= 0.5 * 2.0 * CEILING
+    assert all(r["grants"] for r in results)

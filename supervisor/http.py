@@ -30,6 +30,8 @@ from supervisor.states import SETTLED, OpState, RunState
 log = logging.getLogger(__name__)
 
 MAX_PAGE = 1000
+# A page cursor is an operation ID: what next_after gave, nothing that needs escaping.
+CURSOR = re.compile(r"[A-Za-z0-9_-]{0,200}")
 MAX_WAIT_S = 60.0
 MAX_INLINE_IDS = 10_000
 
@@ -336,7 +338,7 @@ def _cursor_param(request: web.Request) -> str | None:
     value = request.query.get("after")
     if value is None or value == "":
         return None
-    if len(value) > 200 or not value.isprintable():
+    if not CURSOR.fullmatch(value):
         raise ApiError(400, "after must be the next_after of the previous page")
     return value
 

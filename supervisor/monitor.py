@@ -18,6 +18,10 @@ from supervisor.states import SETTLED, TERMINAL, RunState
 log = logging.getLogger(__name__)
 
 REFRESH_S = 1.0
+# A replica not holding the monitor role counts the current run this often: counting a
+# million-operation run costs about a second of the database's time, and the holder
+# already does it every second (dashboards take the max across replicas).
+FOLLOWER_COUNT_S = 15.0
 
 
 class Monitor:
@@ -35,6 +39,7 @@ class Monitor:
         self.budget = budget
         self.runs_changed = runs_changed
         self.settled = asyncio.Event()
+        self._counted_at = -FOLLOWER_COUNT_S
 
     async def run(self) -> None:
         last_refresh = 0.0
@@ -70,6 +75,9 @@ class Monitor:
         metrics.QUEUE_PARKED.set(q.parked)
         metrics.QUEUE_LEASED.set(q.leased)
         metrics.QUEUE_OLDEST_AGE.set(q.oldest_claimable_age_s)
+        if not self.finishes() and time.monotonic() - self._counted_at < FOLLOWER_COUNT_S:
+            return
+        self._counted_at = time.monotonic()
         s = await self.ledger.stats()
         metrics.AMBIGUOUS.set(s.ambiguous)
         run = s.current_run

@@ -38,7 +38,7 @@ _PAGE_PARAMS = [
     {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
                                                    "maximum": 1000}},
     {"name": "after", "in": "query", "description": "the previous page's next_after",
-     "schema": {"type": "string", "maxLength": 200}},
+     "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]{0,200}$"}},
 ]
 _STATE = {"type": "string", "enum": [s.value for s in OpState]}
 _NUM_OR_NULL = {"type": ["number", "null"]}

@@ -63,11 +63,21 @@ async def create_pool(dsn: str, schema: str, min_size: int = 1,
     try:
         pool = await asyncpg.create_pool(
             dsn, min_size=min_size, max_size=max_size, command_timeout=30,
+            connection_class=_PooledConnection,
             server_settings=_settings(schema))
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
         raise StartupError(f"cannot connect to PostgreSQL: {_redact(str(exc), dsn)}") from exc
     assert pool is not None
     return pool
+
+
+class _PooledConnection(asyncpg.Connection):
+    """A pooled connection released without asyncpg's reset query (unlock all, close
+    cursors, unlisten, RESET ALL): a round trip on every release, for state these
+    connections never keep (only transaction-scoped locks, no LISTEN, no SET)."""
+
+    def get_reset_query(self) -> str:
+        return ""
 
 
 async def connect(dsn: str, schema: str) -> asyncpg.Connection:

@@ -335,7 +335,7 @@ async def test_operations_filtered_by_state(api: Api) -> None:
 
 
 @pytest.mark.parametrize("query", [{"state": "gone"}, {"limit": "0"}, {"limit": "1001"},
-                                   {"limit": "x"}, {"after": "-1"}])
+                                   {"limit": "x"}, {"after": "op_1;"}, {"after": "x" * 201}])
 async def test_bad_operation_queries_are_400(api: Api, query: dict[str, str]) -> None:
     run_id = await _run_with_operations(api, 1)
     status, _ = await call(api, "GET", f"/v1/runs/{run_id}/operations", params=query,

@@ -206,6 +206,7 @@ class Membership:
                                    socket.gethostname(), os.getpid())
             dead = [r[0] for r in await conn.fetch(sql.REAP_REPLICAS,
                                                    self.cfg.dead_after_seconds, self.db.replica)]
+            metrics.LIVE_REPLICAS.set(await conn.fetchval(sql.COUNT_REPLICAS))
             released = 0
             if dead:
                 status = await conn.execute(sql.RELEASE_MESSAGES_OF, dead, time.time())

@@ -1,5 +1,5 @@
 """The shared budget's row in PostgreSQL: one per budget key (a partner base URL), every
-statement :class:`supervisor.budget.postgres.PostgresBudget` runs on it, and the pure
+statement the shared budget (:mod:`supervisor.budget.postgres`) runs on it, and the pure
 decisions taken under its lock (the policy's events on the shared state, a new life).
 
 The row holds the policy's state (``BudgetState.to_dict()``), the configured quotas' slots
@@ -43,6 +43,10 @@ MIGRATIONS: tuple[Migration, ...] = (
     )),
 )
 
+# Two cut times this close are the same cut: one is a copy of the other, and the margin
+# only guards their round trip through JSON.
+SAME_CUT_S = 1e-6
+
 _COLUMNS = "state::text AS state, quotas::text AS quotas, next_at, epoch, version"
 # The notification carries the new state (well under 1 KB), so a listener need not read the
 # row; a key too long for the payload limit (8000 bytes) sends only the version.
@@ -73,10 +77,13 @@ class Change:
 
 @dataclass(frozen=True, slots=True)
 class Pending:
-    """An event a replica applied to its own state, to apply to the row's too."""
+    """An event a replica applied to its own state, to apply to the row's too. A 429's
+    ``paced_cut`` is the ``cut_at`` of the state its request was paced under, as the
+    replica knew it (None: not known, its ``sent_at`` decides alone)."""
 
     event: policy.Throttle | policy.Announce | policy.Pause
     now: float
+    paced_cut: float | None = None
 
 
 def parse(data: dict[str, Any] | None) -> BudgetState | None:
@@ -95,10 +102,28 @@ def live(cfg: PolicyConfig, state: BudgetState, now: float) -> BudgetState:
 
 
 def apply(cfg: PolicyConfig, state: BudgetState, pending: Pending) -> BudgetState:
-    if isinstance(pending.event, policy.Throttle):
+    event = pending.event
+    if isinstance(event, policy.Throttle):
         # The policy trims what was being paced: the rate the curve gives by then.
         state = live(cfg, state, pending.now)
-    return policy.step(cfg, state, pending.event, pending.now)
+        if pending.paced_cut is not None:
+            event = replace(event, sent_at=_sent_at(event.sent_at, pending.paced_cut,
+                                                    state.cut_at))
+    return policy.step(cfg, state, event, pending.now)
+
+
+def _sent_at(sent_at: float, paced_cut: float, cut_at: float) -> float:
+    """When a 429's request counts as sent, for the policy's one cut per episode
+    (``sent_at >= cut_at`` cuts). Across replicas the two times come from two clocks, and
+    a replica hears of another's cut only some milliseconds later: a request it granted
+    meanwhile, from a slot reserved before the cut, was sent at the old rate, yet would
+    count as after the cut and cut again (halving: the policy reads it as refused at once
+    after resuming). So what the replica knew decides: paced under an older cut than the
+    row's, the request is part of the episode that cut; paced under the row's latest, its
+    429 is news, whatever the clocks say."""
+    if cut_at > paced_cut + SAME_CUT_S:
+        return min(sent_at, cut_at - SAME_CUT_S)
+    return max(sent_at, cut_at)
 
 
 def voids(cfg: PolicyConfig, before: BudgetState, after: BudgetState, now: float) -> bool:

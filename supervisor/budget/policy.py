@@ -311,7 +311,9 @@ def _lower(cfg: PolicyConfig, s: BudgetState, cut_to: float, w_max: float,
 
 
 def _announce(cfg: PolicyConfig, s: BudgetState, ev: Announce, now: float) -> BudgetState:
-    if ev.rate == s.announced or (ev.rate is not None and not ev.rate > 0):
+    # Out of range (0, a window so short the rate overflows to infinity): no limit to
+    # keep. An infinite one would also make the state unserialisable as JSON.
+    if ev.rate == s.announced or (ev.rate is not None and not 0 < ev.rate < math.inf):
         return s
     s = replace(s, announced=ev.rate)
     high = top(cfg, s)

@@ -337,6 +337,7 @@ RELEASE_GUARDS_OF = (
     "leased_until = NULL WHERE holder = ANY($1::text[])"
 )
 LEAVE = "DELETE FROM replicas WHERE id = $1"
+COUNT_REPLICAS = "SELECT COUNT(*) FROM replicas"
 LIVE_REPLICAS = (
     f"SELECT id, host, pid, started_at, heartbeat_at, {DB_NOW} FROM replicas ORDER BY started_at"
 )

@@ -29,7 +29,8 @@ class Monitor:
 
     def __init__(self, ledger: Ledger, queue: Queue, budget: RateBudget,
                  runs_changed: asyncio.Condition, digest_cutoff_s: float | None = None,
-                 finishes: Callable[[], bool] = lambda: True) -> None:
+                 finishes: Callable[[], bool] = lambda: True,
+                 settled: asyncio.Event | None = None, finish_every_s: float = REFRESH_S) -> None:
         self.digest_cutoff_s = digest_cutoff_s
         # With replicas only the holder of the "monitor" role closes runs; every replica
         # refreshes its own gauges and wakes its own long-polls.
@@ -38,14 +39,19 @@ class Monitor:
         self.queue = queue
         self.budget = budget
         self.runs_changed = runs_changed
-        self.settled = asyncio.Event()
+        # Set by a settlement here and, with replicas, by any replica closing a run (a
+        # NOTIFY): a long-poll on this replica answers when the holder closes the run.
+        self.settled = settled or asyncio.Event()
+        # With replicas the last settlement may happen on another replica, which does not
+        # wake this one: the holder of the role looks this often instead.
+        self.finish_every_s = finish_every_s
         self._counted_at = -FOLLOWER_COUNT_S
 
     async def run(self) -> None:
         last_refresh = 0.0
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(REFRESH_S):
+                async with asyncio.timeout(self.finish_every_s if self.finishes() else REFRESH_S):
                     await self.settled.wait()
             self.settled.clear()
             if self.ledger.healthy:

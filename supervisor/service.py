@@ -84,7 +84,9 @@ class Service:
         scan_wakeup = backends.wakeups["runs"]
         publish_wakeup = backends.wakeups["outbox"]
         monitor = Monitor(ledger, queue, budget, runs_changed, c.schedule.digest_cutoff_seconds,
-                          finishes=lambda: roles.holds("monitor"))
+                          finishes=lambda: roles.holds("monitor"),
+                          settled=backends.wakeups["finished"],
+                          finish_every_s=backends.finish_every_s)
         scanner = Scanner(c, ledger, scan_wakeup, publish_wakeup)
         publisher = Publisher(ledger, queue, publish_wakeup)
         opener = RunOpener(c, ledger, scan_wakeup)

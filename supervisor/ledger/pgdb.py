@@ -36,7 +36,7 @@ STORAGE = (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.Inter
            asyncpg.ReadOnlySQLTransactionError, asyncpg.CannotConnectNowError,
            asyncpg.AdminShutdownError, asyncpg.OperatorInterventionError)
 # Channels replicas wake one another on.
-CHANNELS = ("queue", "runs", "outbox")
+CHANNELS = ("queue", "runs", "outbox", "finished")
 
 
 class PgDatabase:

@@ -166,6 +166,8 @@ class PostgresLedger:
             now = time.time()
             done = [r[0] for r in await conn.fetch(sql.UPDATE_RUNS_DONE, now)]
             if done:
+                # Every replica's long-polls on these runs answer now.
+                await self.db.notify(conn, "finished", done[0])
                 await self._lock_events(conn)
                 await conn.executemany(sql.INSERT_RUN_EVENT, [
                     (new_event_id(), now, run_id) for run_id in done])

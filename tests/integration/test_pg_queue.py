@@ -26,7 +26,7 @@ from supervisor import pg as pgnames
 from supervisor.errors import OperationBusy, ReplicaFenced, ScanConflict
 from supervisor.ledger import pg_sql
 from supervisor.ledger.base import Event, Settlement
-from supervisor.ledger.pgdb import PgDatabase
+from supervisor.ledger.pgdb import CHANNELS, PgDatabase
 from supervisor.ledger.postgres import PostgresLedger
 from supervisor.ledger.settings import LedgerConfig
 from supervisor.queue.base import Delivery, Message
@@ -171,7 +171,7 @@ async def test_a_dropped_listen_connection_is_reconnected(pg: Any) -> None:
     async with replicas(pg, "replica-a", "replica-b") as (a, b), admin(pg) as conn:
         # Each replica listens on a connection of its own, whose last statement is the
         # LISTEN of the last channel: that is how the sessions are found.
-        last = f'LISTEN "{pgnames.channel(pg.schema, "outbox")}"'
+        last = f'LISTEN "{pgnames.channel(pg.schema, CHANNELS[-1])}"'
 
         async def listening() -> set[int]:
             rows = await conn.fetch("SELECT pid FROM pg_stat_activity WHERE query = $1", last)

@@ -18,9 +18,10 @@ from supervisor.states import SETTLED, TERMINAL, RunState
 log = logging.getLogger(__name__)
 
 REFRESH_S = 1.0
-# A replica not holding the monitor role counts the current run this often: counting a
-# million-operation run costs about a second of the database's time, and the holder
-# already does it every second (dashboards take the max across replicas).
+# A replica not holding the monitor role counts the queue and the current run this often:
+# at a million operations each count costs the database a third to a whole second
+# (docs/scale.md), and the holder already counts every second (dashboards take the max
+# across replicas).
 FOLLOWER_COUNT_S = 15.0
 
 
@@ -73,6 +74,9 @@ class Monitor:
         budget = self.budget.snapshot()
         metrics.publish_budget(budget)
         metrics.LEDGER_HEALTHY.set(1 if self.ledger.healthy else 0)
+        if not self.finishes() and time.monotonic() - self._counted_at < FOLLOWER_COUNT_S:
+            return
+        self._counted_at = time.monotonic()
         # A transport that cannot report its own queue is measured by the ledger, which
         # keeps the same meaning: the oldest message that is claimable, not parked.
         q = await (self.queue.stats() if self.queue.capabilities.stats
@@ -81,9 +85,6 @@ class Monitor:
         metrics.QUEUE_PARKED.set(q.parked)
         metrics.QUEUE_LEASED.set(q.leased)
         metrics.QUEUE_OLDEST_AGE.set(q.oldest_claimable_age_s)
-        if not self.finishes() and time.monotonic() - self._counted_at < FOLLOWER_COUNT_S:
-            return
-        self._counted_at = time.monotonic()
         s = await self.ledger.stats()
         metrics.AMBIGUOUS.set(s.ambiguous)
         run = s.current_run

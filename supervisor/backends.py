@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 # With replicas the last settlement of a run may happen anywhere: the monitor role's
 # holder looks for runs to close this often (a statement that changes nothing until then).
 FINISH_EVERY_S = 0.25
+CLOSE_S = 5.0
 # A storage fault counts as cleared once commits succeed this long after the last failure.
 LEDGER_RECOVER_AFTER_S = 2.0
 
@@ -99,9 +100,7 @@ class Backends:
 
     async def close(self) -> None:
         """Outward first, the ledger last (it flushes pending writes)."""
-        for closer in reversed(self._closers):
-            with contextlib.suppress(Exception):
-                await closer()
+        await _close_all(self._closers)
         self._closers.clear()
 
 
@@ -172,7 +171,7 @@ async def _open_postgres(c: Config) -> Backends:
         except StorageError as exc:
             raise StartupError(str(exc)) from exc
         closers.append(db.close)
-        roles = AdvisoryRoles(dsn, c.ledger.schema, c.ledger.role_poll_seconds)
+        roles = AdvisoryRoles(dsn, c.ledger.schema, c.ledger.role_poll_seconds, replica)
         closers.append(roles.close)
         membership = Membership(db, c.ledger, roles)
         await membership.join()
@@ -202,6 +201,9 @@ async def _open_postgres(c: Config) -> Backends:
 
 
 async def _close_all(closers: list[Callable[[], Awaitable[None]]]) -> None:
+    # Each bounded: a database that does not answer must not hold the stop past the
+    # runtime's stop timeout.
     for closer in reversed(closers):
         with contextlib.suppress(Exception):
-            await closer()
+            async with asyncio.timeout(CLOSE_S):
+                await closer()

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import asyncpg
 
 from supervisor.errors import StartupError, StorageError
+from supervisor.ledger.settings import SCHEMA_NAME
 
 log = logging.getLogger(__name__)
 
-SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+CONNECT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +60,15 @@ async def create_pool(dsn: str, schema: str, min_size: int = 1,
                       max_size: int = 10) -> asyncpg.Pool:
     """A pool whose connections use ``schema``; raises StartupError naming the problem."""
     if not SCHEMA_NAME.match(schema):
-        raise StartupError(f"ledger.schema {schema!r} must be a lower-case SQL identifier")
+        raise StartupError(f"ledger.schema {schema!r} must be a lower-case SQL identifier "
+                           "of at most 40 characters")
     try:
         pool = await asyncpg.create_pool(
-            dsn, min_size=min_size, max_size=max_size, command_timeout=30,
+            dsn, min_size=min_size, max_size=max_size, command_timeout=30, timeout=CONNECT_S,
             connection_class=_PooledConnection,
             server_settings=_settings(schema))
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
-        raise StartupError(f"cannot connect to PostgreSQL: {_redact(str(exc), dsn)}") from exc
+        raise StartupError(f"cannot connect to PostgreSQL: {_redact(exc, dsn)}") from exc
     assert pool is not None
     return pool
 
@@ -83,20 +85,34 @@ class _PooledConnection(asyncpg.Connection):
 async def connect(dsn: str, schema: str) -> asyncpg.Connection:
     """One connection of its own (LISTEN, session advisory locks) in ``schema``."""
     try:
-        return await asyncpg.connect(dsn, command_timeout=30, server_settings=_settings(schema))
+        return await asyncpg.connect(dsn, command_timeout=30, timeout=CONNECT_S,
+                                     server_settings=_settings(schema))
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
-        raise StorageError(f"cannot connect to PostgreSQL: {_redact(str(exc), dsn)}") from exc
+        raise StorageError(f"cannot connect to PostgreSQL: {_redact(exc, dsn)}") from exc
 
 
 def _settings(schema: str) -> dict[str, str]:
     # The schema in the application name: an operator (or a test) tells deployments
     # sharing one server apart in pg_stat_activity.
-    return {"search_path": schema, "application_name": f"cleanup-supervisor:{schema}"}
+    # Keepalives: a replica whose host dies or is cut off loses its sessions (and with
+    # them its role locks) within about 11 s on the server's side, not the OS's 2 hours.
+    return {"search_path": schema, "application_name": f"cleanup-supervisor:{schema}",
+            "tcp_keepalives_idle": "5", "tcp_keepalives_interval": "2",
+            "tcp_keepalives_count": "3", "tcp_user_timeout": "10000"}
 
 
-def _redact(message: str, dsn: str) -> str:
-    # A DSN may carry a password: an error message must never repeat it.
-    return message.replace(dsn, "<dsn>")
+def _redact(exc: BaseException, dsn: str) -> str:
+    # A DSN may carry a password: an error message must never repeat it, nor a part of
+    # it (a parse error quotes the piece it choked on, often the password).
+    if isinstance(exc, ValueError | asyncpg.ClientConfigurationError):
+        return ("the DSN cannot be parsed (postgresql://user:password@host:port/database; "
+                "percent-encode special characters in the password)")
+    message = str(exc).replace(dsn, "<dsn>")
+    try:
+        password = urlsplit(dsn).password if "://" in dsn else None
+    except ValueError:
+        password = None
+    return message.replace(password, "***") if password else message
 
 
 async def migrate(pool: asyncpg.Pool, schema: str,

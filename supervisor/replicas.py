@@ -59,6 +59,10 @@ class LocalRoles:
         return True
 
 
+# A probe of the lock connection that takes longer than this lets go of every role.
+CHECK_TIMEOUT_S = 2.0
+
+
 class RoleLost(StorageError):
     """The connection holding this replica's role locks broke: every role is let go."""
 
@@ -66,9 +70,10 @@ class RoleLost(StorageError):
 class AdvisoryRoles:
     """Singleton roles as session advisory locks on one connection of this replica."""
 
-    def __init__(self, dsn: str, schema: str, poll_s: float) -> None:
+    def __init__(self, dsn: str, schema: str, poll_s: float, replica: str = "") -> None:
         self.dsn = dsn
         self.schema = schema
+        self.replica = replica  # registered: the reaper may end this session with it
         self.poll_s = poll_s
         self._conn: asyncpg.Connection | None = None
         self._use = asyncio.Lock()  # one query at a time on the lock connection
@@ -87,6 +92,8 @@ class AdvisoryRoles:
             self._held.clear()
             self._conn = await pg.connect(self.dsn, self.schema)
             self._lost = asyncio.Event()
+            if self.replica:
+                await self._conn.execute(sql.SET_ROLES_PID, self.replica)
         return self._conn
 
     async def _try(self, name: str) -> bool:
@@ -122,12 +129,14 @@ class AdvisoryRoles:
         """Probe the lock connection (the heartbeat calls it): a broken one loses all."""
         if not self._held:
             return
-        async with self._use:
-            try:
+        try:
+            async with asyncio.timeout(CHECK_TIMEOUT_S), self._use:
                 conn = await self._connection()
                 await conn.fetchval("SELECT 1")
-            except (asyncpg.PostgresError, *STORAGE) as exc:
-                self._drop(exc)
+        except (asyncpg.PostgresError, *STORAGE) as exc:
+            # TimeoutError is among STORAGE: an unresponsive lock connection may have lost
+            # its session already, and another replica may hold our roles.
+            self._drop(exc)
 
     async def run(self, name: str, factory: Factory) -> None:
         # Polled: a lock held by another session has no event to await. The period is
@@ -174,6 +183,7 @@ class Membership:
         self.reaped = 0  # replicas this one declared dead
         self.released = 0  # leases and guards it released for them
         self._last_beat = 0.0
+        self._steady_since = 0.0  # heartbeats without a gap since then
 
     @property
     def fresh(self) -> bool:
@@ -187,15 +197,34 @@ class Membership:
                                os.getpid())
 
         await self.db.write(write)
-        self._last_beat = time.monotonic()
+        self._last_beat = self._steady_since = time.monotonic()
 
     async def run(self) -> None:
-        """The heartbeat component: every replica runs it."""
+        """The heartbeat component: every replica runs it. A failed beat (the database
+        away, a pool exhausted) is retried at the next period, never left to the
+        supervisor's growing restart backoff: the beat is what keeps this replica alive."""
+        failing = False
         while True:
             await asyncio.sleep(self.cfg.heartbeat_seconds)  # a period, not a sync
-            await self.beat()
+            try:
+                async with asyncio.timeout(self.cfg.dead_after_seconds / 2):
+                    await self.beat()
+            except (StorageError, TimeoutError) as exc:
+                if not failing:
+                    log.warning("heartbeat failed (%s); retrying every %gs", exc or "timeout",
+                                self.cfg.heartbeat_seconds, extra={"action": "heartbeat_failed"})
+                failing = True
+                continue
+            if failing:
+                log.info("heartbeat back", extra={"action": "heartbeat_recovered"})
+            failing = False
 
     async def beat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat > self.cfg.dead_after_seconds / 2:
+            self._steady_since = now  # a gap: this replica's own view was stale too
+        steady = now - self._steady_since >= self.cfg.dead_after_seconds
+
         async def write(conn: Conn) -> tuple[list[str], int]:
             if await conn.fetchval(sql.HEARTBEAT, self.db.replica) is None:
                 # Declared dead while we stalled: what we held was released. Register
@@ -204,8 +233,16 @@ class Membership:
                           self.db.replica, extra={"action": "replica_rejoined"})
                 await conn.execute(sql.REGISTER_REPLICA, self.db.replica,
                                    socket.gethostname(), os.getpid())
-            dead = [r[0] for r in await conn.fetch(sql.REAP_REPLICAS,
-                                                   self.cfg.dead_after_seconds, self.db.replica)]
+            # Only a replica that has itself beaten without a gap for the whole dead time
+            # judges others: after an outage every replica comes back with stale rows, and
+            # the first to reconnect must not declare the others (alive, reconnecting) dead.
+            reaped = [] if not steady else await conn.fetch(
+                sql.REAP_REPLICAS, self.cfg.dead_after_seconds, self.db.replica)
+            dead = [r[0] for r in reaped]
+            pids = [r[1] for r in reaped if r[1] is not None]
+            if pids:
+                await conn.fetchval(sql.END_ROLE_SESSIONS, pids,
+                                    f"cleanup-supervisor:{self.db.schema}")
             metrics.LIVE_REPLICAS.set(await conn.fetchval(sql.COUNT_REPLICAS))
             released = 0
             if dead:

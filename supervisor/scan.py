@@ -28,6 +28,7 @@ from supervisor.states import RunState
 log = logging.getLogger(__name__)
 
 PUBLISH_BATCH = 500
+SCAN_POLL_S = 5.0
 
 
 class Scanner:
@@ -48,7 +49,11 @@ class Scanner:
                 self._wakeup.clear()
                 for run in await self.ledger.runs_to_scan():
                     await self._scan(run)
-                await self._wakeup.wait()
+                # The timeout is the fallback for a run another replica opened while
+                # this one's LISTEN connection was down (a notification lost).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(SCAN_POLL_S):
+                        await self._wakeup.wait()
         finally:
             await self._session.close()
 
@@ -122,5 +127,5 @@ class Publisher:
                 await self.courier.publish(batch, outbox=True)
             with contextlib.suppress(TimeoutError):
                 # The timeout is a safety net for writes made by another process.
-                async with asyncio.timeout(30):
+                async with asyncio.timeout(SCAN_POLL_S):
                     await self._wakeup.wait()

@@ -45,6 +45,8 @@ from supervisor.ticks import TickPuller
 log = logging.getLogger(__name__)
 
 Factory = Callable[[], Coroutine[Any, Any, None]]
+# Each write after the drain (closing runs, the budget's memory) gets this long.
+FINAL_WRITE_S = 3.0
 
 
 class Service:
@@ -189,10 +191,14 @@ class Service:
                     tasks[name].cancel()
             for name in relay.names:  # undelivered events wait in the outbox for the next life
                 tasks[name].cancel()
+        # Bounded: a database that does not answer must not hold the process past the
+        # runtime's stop timeout (what is not written here, the next life finds).
         with contextlib.suppress(Exception):
-            await ledger.finish_runs()
+            async with asyncio.timeout(FINAL_WRITE_S):
+                await ledger.finish_runs()
         with contextlib.suppress(Exception):
-            await budget.save()  # what was learnt, a pause in force: the next life starts there
+            async with asyncio.timeout(FINAL_WRITE_S):
+                await budget.save()  # a pause in force, a limit learnt: the next life starts there
         # 4. close outward connections, then the ledger (it flushes pending writes)
         await runner.cleanup()
         await partner.close()

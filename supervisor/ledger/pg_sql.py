@@ -106,6 +106,9 @@ MIGRATIONS = (
             started_at {_T} NOT NULL,
             heartbeat_at {_T} NOT NULL)""",
     )),
+    # The session holding a replica's role locks: the reaper ends it with the replica, so
+    # a holder whose host died (no FIN, no RST) gives its roles up within seconds.
+    Migration("ledger", 2, ("ALTER TABLE replicas ADD COLUMN IF NOT EXISTS roles_pid INTEGER",)),
 )
 
 DB_NOW = "extract(epoch from clock_timestamp())::double precision"
@@ -270,9 +273,10 @@ INSERT_EVIDENCE = (
     "INSERT INTO attempts (operation_id, n, kind, started_at, finished_at, status, outcome, "
     "detail) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
 )
+# No row back: the attempt was already closed (taken over by another replica).
 FINISH_ATTEMPT = (
     "UPDATE attempts SET finished_at = $1, status = $2, outcome = $3, detail = $4 "
-    "WHERE id = $5 AND outcome IS NULL"
+    "WHERE id = $5 AND outcome IS NULL RETURNING id"
 )
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = $1, outcome = 'unknown', "
@@ -326,7 +330,15 @@ HEARTBEAT = f"UPDATE replicas SET heartbeat_at = {DB_NOW} WHERE id = $1 RETURNIN
 # FOR SHARE: the reaper cannot declare this replica dead while it starts an attempt.
 ALIVE = f"SELECT 1 FROM replicas WHERE id = $1 AND heartbeat_at > {DB_NOW} - $2 FOR SHARE"
 REAP_REPLICAS = (
-    f"DELETE FROM replicas WHERE heartbeat_at <= {DB_NOW} - $1 AND id != $2 RETURNING id"
+    f"DELETE FROM replicas WHERE heartbeat_at <= {DB_NOW} - $1 AND id != $2 "
+    "RETURNING id, roles_pid"
+)
+SET_ROLES_PID = "UPDATE replicas SET roles_pid = pg_backend_pid() WHERE id = $1"
+# Only a session of this deployment (its application name): a pid the server has since
+# given to another client is left alone.
+END_ROLE_SESSIONS = (
+    "SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity "
+    "WHERE pid = ANY($1::int[]) AND application_name = $2"
 )
 RELEASE_MESSAGES_OF = (
     "UPDATE messages SET available_at = $2, lease_token = NULL, holder = NULL "

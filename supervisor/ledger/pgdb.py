@@ -97,9 +97,16 @@ class PgDatabase:
         while True:
             await asyncio.sleep(2.0)  # a period, not a synchronisation
             conn = self._listener
-            if conn is None or conn.is_closed():
-                self._listener = None
-                await self._listen()
+            if conn is not None and not conn.is_closed():
+                try:
+                    # A connection a NAT or a firewall dropped in silence looks open:
+                    # only an answer says it still delivers notifications.
+                    await conn.fetchval("SELECT 1", timeout=2.0)
+                    continue
+                except (asyncpg.PostgresError, *STORAGE):
+                    conn.terminate()
+            self._listener = None
+            await self._listen()
 
     async def notify(self, conn: Conn, name: str, payload: str = "") -> None:
         """Wake every replica waiting on ``name`` when the caller's transaction commits."""

@@ -12,6 +12,7 @@ event that commits late.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,6 +42,8 @@ from supervisor.ledger.pgdb import Conn, PgDatabase
 from supervisor.ledger.sqlite import new_operation_id, new_run_id
 from supervisor.queue.base import Delivery, Message, QueueStats
 from supervisor.states import SETTLED, OpState, RunState
+
+log = logging.getLogger(__name__)
 
 
 def _run(r: asyncpg.Record) -> Run:
@@ -74,6 +77,7 @@ class PostgresLedger:
         self._fence_s = fence_s
         self._events_lock = pg.lock_key(db.schema, "xact:events")
         self._open_lock = pg.lock_key(db.schema, "xact:open_run")
+        self._finish_lock = pg.lock_key(db.schema, "xact:finish_runs")
 
     @property
     def healthy(self) -> bool:
@@ -163,6 +167,9 @@ class PostgresLedger:
 
     async def finish_runs(self) -> list[str]:
         async def write(conn: Conn) -> list[str]:
+            # Serialised with record_evidence queueing an operation again: each statement
+            # here then sees that operation, or the reopen sees the run done.
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", self._finish_lock)
             now = time.time()
             done = [r[0] for r in await conn.fetch(sql.UPDATE_RUNS_DONE, now)]
             if done:
@@ -253,13 +260,26 @@ class PostgresLedger:
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         async def write(conn: Conn) -> None:
             now = time.time()
+            settled: list[str] = []
             for s in settlements:
+                if s.attempt_id is not None and await conn.fetchval(
+                        sql.FINISH_ATTEMPT, now, s.status, s.outcome, s.detail,
+                        s.attempt_id) is None:
+                    # The attempt was closed by another replica: ours was declared dead
+                    # (a stall longer than dead_after), and the one that took the
+                    # operation over owns it now. Its own attempt, resent with the key or
+                    # probed, decides; writing ours over it could undo that.
+                    log.warning("operation %s: attempt %d was taken over by another "
+                                "replica; this outcome (%s) is not recorded",
+                                s.operation_id, s.attempt_id, s.outcome,
+                                extra={"action": "settlement_superseded"})
+                    continue
                 await _transition(conn, s.operation_id, s.target, s.reason,
                                   count=-1 if s.refund_attempt else 0, now=now)
-                if s.attempt_id is not None:
-                    await conn.execute(sql.FINISH_ATTEMPT, now, s.status, s.outcome,
-                                       s.detail, s.attempt_id)
-                elif s.target is OpState.AMBIGUOUS:
+                if s.target in SETTLED:
+                    settled.append(s.operation_id)
+                if s.attempt_id is None and s.target is OpState.AMBIGUOUS:
+                    # Held because an earlier attempt has no outcome: unknown for good.
                     await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, now, s.operation_id)
                 retry = s.disposition is Disposition.RETRY
                 await conn.execute(sql.SETTLE_BOOKKEEPING, s.disposition is Disposition.KEEP,
@@ -272,8 +292,7 @@ class PostgresLedger:
                     elif retry:
                         await conn.execute(sql.RETRY_MESSAGE, now + s.delay_s,
                                            s.operation_id, s.delivery.receipt)
-            await self._record_settled(
-                conn, [s.operation_id for s in settlements if s.target in SETTLED], now)
+            await self._record_settled(conn, settled, now)
 
         await self.db.write(write)
         if self._owns_queue:
@@ -284,6 +303,8 @@ class PostgresLedger:
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
                               reason: str, detail: str, status: int | None = None) -> bool:
         async def write(conn: Conn) -> None:
+            if target is OpState.QUEUED:
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", self._finish_lock)
             now = time.time()
             row = await conn.fetchrow(sql.SELECT_OPERATION, operation_id)
             if row is None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 from supervisor.configtypes import Secret, _positive
+
+# At most 40 characters: NOTIFY channels (cleanup_<schema>_<name>) must stay under 64.
+SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,39}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +38,9 @@ class LedgerConfig:
         if self.heartbeat_seconds * 2 > self.dead_after_seconds:
             out.append(f"ledger.dead_after_seconds ({self.dead_after_seconds}) must be at least "
                        f"twice ledger.heartbeat_seconds ({self.heartbeat_seconds})")
+        if not SCHEMA_NAME.match(self.schema):
+            out.append(f"ledger.schema must be a lower-case SQL identifier of at most 40 "
+                       f"characters, got {self.schema!r}")
         if self.backend == "postgres" and self.dsn is None:
             out.append(f"ledger.dsn_env: ${self.dsn_env} (or ${self.dsn_env}_FILE) is not set; "
                        "ledger.backend = 'postgres' needs the database's DSN")

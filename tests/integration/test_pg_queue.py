@@ -35,7 +35,7 @@ from supervisor.queue.postgres import FALLBACK_POLL_S, PostgresQueue
 from supervisor.replicas import AdvisoryRoles, Membership, RoleLost
 from supervisor.states import OpState
 
-CONFIG = LedgerConfig(heartbeat_seconds=1.0, dead_after_seconds=5.0, role_poll_seconds=0.05)
+CONFIG = LedgerConfig(heartbeat_seconds=0.5, dead_after_seconds=3.0, role_poll_seconds=0.05)
 
 
 @dataclass
@@ -47,6 +47,16 @@ class Replica:
     roles: AdvisoryRoles
     membership: Membership
     applied: list[str]  # the migrations its open applied
+
+
+async def beat_steadily(*memberships: Membership) -> None:
+    """Heartbeats at the configured period for the whole dead time (the beat's own period
+    is the cadence, not a synchronisation)."""
+    deadline = time.monotonic() + CONFIG.dead_after_seconds + CONFIG.heartbeat_seconds / 2
+    while time.monotonic() < deadline:
+        for m in memberships:
+            await m.beat()
+        await asyncio.sleep(CONFIG.heartbeat_seconds)
 
 
 @asynccontextmanager
@@ -300,8 +310,10 @@ async def test_a_dead_replicas_leases_and_guards_are_released_and_a_live_ones_ne
         with pytest.raises(OperationBusy):
             await live.ledger.begin_attempt(d1.message.operation_id, "delete", owner="x")
 
-        # Nobody is stale: a beat releases nothing.
-        await live.membership.beat()
+        # Nobody is stale: beats release nothing. A replica judges others only once it
+        # has itself beaten without a gap for the whole dead time (after an outage every
+        # row is stale): the live ones beat for that long, the dead one stays silent.
+        await beat_steadily(live.membership, other.membership, dead.membership)
         assert (live.membership.reaped, live.membership.released) == (0, 0)
 
         await conn.execute("UPDATE replicas SET heartbeat_at = heartbeat_at - 60 "

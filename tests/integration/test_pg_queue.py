@@ -210,7 +210,7 @@ async def test_a_dropped_listen_connection_is_reconnected(pg: Any) -> None:
 async def test_replicas_starting_together_migrate_once(pg: Any) -> None:
     async with replicas(pg, "replica-a", "replica-b", "replica-c") as reps:
         assert sorted(len(r.applied) for r in reps) == [0, 0, 1]
-        assert [r.applied for r in reps if r.applied] == [["ledger v1"]]
+        assert [r.applied for r in reps if r.applied] == [["ledger v1", "ledger v2"]]
         again = PgDatabase(pg.dsn, pg.schema, "replica-d")
         try:
             assert await again.open(pg_sql.MIGRATIONS) == []  # a restart applies nothing
@@ -490,3 +490,35 @@ async def test_delivery_of_a_message_keeps_its_identity_across_replicas(pg: Any)
         assert (await a.queue.stats()).leased == 1
         await a.queue.ack([again])
         assert (await b.queue.stats()).leased == 0
+
+
+async def test_a_replica_declared_dead_cannot_write_over_the_one_that_took_over(
+        pg: Any) -> None:
+    async with replicas(pg, "replica-stalled", "replica-new") as (stalled, new):
+        await queued_run(new, ["r-1"])
+        [d] = await stalled.queue.receive(1, 60)
+        op_id = d.message.operation_id
+        mine = await stalled.ledger.begin_attempt(op_id, "delete", owner=d.receipt, busy_s=60)
+        # The stalled replica's request is in the air, and it stops heartbeating (a
+        # stall, a partition): the other, beating steadily, declares it dead.
+        await beat_steadily(new.membership)
+        assert new.membership.reaped == 1
+        [again] = await new.queue.receive(1, 60)
+        theirs = await new.ledger.begin_attempt(op_id, "delete", owner=again.receipt,
+                                                busy_s=60, supersedes_open=True)
+        # The stalled one's answer arrives after all: it is not written over the new
+        # holder's attempt (no error either: the new holder decides).
+        assert await stalled.ledger.settle([Settlement(
+            op_id, OpState.DELETED, d, attempt_id=mine, status=204, outcome="deleted")]) == []
+        op = await new.ledger.get_operation(op_id)
+        assert op is not None
+        assert op.state is OpState.IN_FLIGHT
+        assert [a.outcome for a in await new.ledger.attempts(op_id)] == ["unknown", None]
+        assert await new.ledger.settle([Settlement(
+            op_id, OpState.DELETED, again, attempt_id=theirs, status=204,
+            outcome="deleted")]) == []
+        op = await new.ledger.get_operation(op_id)
+        assert op is not None
+        assert op.state is OpState.DELETED
+        assert [a.outcome for a in await new.ledger.attempts(op_id)] == ["unknown", "deleted"]
+        assert [e.operation_id for e in await new.ledger.events_after(0, 10)] == [op_id]

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import orjson
+
 from supervisor.queue.base import Delivery, Message, QueueStats
 from supervisor.states import OpState, RunState
 
@@ -283,3 +285,15 @@ class EventOutbox(Protocol):
 
 class LedgerStore(Ledger, EventOutbox, Protocol):
     """A ledger backend as the service holds it: the ledger and its events outbox."""
+
+
+def budget_memory(blob: str | bytes | None) -> dict[str, Any] | None:
+    """What the rate budget saved, as every backend stores it (a JSON object); None for
+    nothing saved or anything unreadable (the budget then starts fresh)."""
+    if blob is None:
+        return None
+    try:
+        data = orjson.loads(blob)
+    except orjson.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None

@@ -32,6 +32,7 @@ from supervisor.ledger.base import (
     Received,
     Run,
     Settlement,
+    budget_memory,
 )
 from supervisor.ledger.database import Database
 from supervisor.queue.base import Delivery, Message, QueueStats
@@ -474,13 +475,7 @@ class SqliteLedger(outbox.OutboxMixin):
 
     async def load_budget(self, key: str) -> dict[str, Any] | None:
         row = await self.db.read_one(sql.SELECT_BUDGET, (key,))
-        if row is None:
-            return None
-        try:
-            data = orjson.loads(row[0])
-        except orjson.JSONDecodeError:
-            return None
-        return data if isinstance(data, dict) else None
+        return budget_memory(row[0] if row is not None else None)
 
     async def save_budget(self, key: str, data: dict[str, Any]) -> None:
         blob = orjson.dumps(data).decode()

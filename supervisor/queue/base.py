@@ -9,6 +9,9 @@ was published, how often it was received, when a delayed retry is due).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -105,3 +108,15 @@ class Queue(Protocol):
 
 class Unsupported(NotImplementedError):
     """An optional method called on a transport that does not declare it: a bug."""
+
+
+async def wait_until_due(wakeup: asyncio.Event, next_due: float | None,
+                         timeout_s: float) -> None:
+    """A table-backed queue's wait: until ``wakeup`` is set, the earliest message
+    (``next_due``, wall clock) becomes claimable, or ``timeout_s``. The caller clears
+    ``wakeup`` before reading ``next_due``, so a publish during the read still wakes it."""
+    if next_due is not None:
+        timeout_s = max(0.0, min(timeout_s, next_due - time.time()))
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await wakeup.wait()

@@ -12,14 +12,19 @@ deletes the message in the settlement's own transaction).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import time
 from collections.abc import Sequence
 
 from supervisor.ledger import pg_sql as sql
 from supervisor.ledger.pgdb import Conn, PgDatabase
-from supervisor.queue.base import Capabilities, Delivery, Message, QueueStats
+from supervisor.queue.base import (
+    Capabilities,
+    Delivery,
+    Message,
+    QueueStats,
+    wait_until_due,
+)
 
 CAPABILITIES = Capabilities(transactional_ack=True, extend=True, nack=True, stats=True,
                             max_delay_s=float("inf"))
@@ -72,12 +77,8 @@ class PostgresQueue:
         # Clear before reading: a notification that lands during the read still wakes us.
         self._wakeup.clear()
         row = await self.db.read_one(sql.NEXT_AVAILABLE)
-        timeout_s = min(timeout_s, FALLBACK_POLL_S)
-        if row is not None and row[0] is not None:
-            timeout_s = max(0.0, min(timeout_s, row[0] - time.time()))
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._wakeup.wait()
+        await wait_until_due(self._wakeup, row[0] if row is not None else None,
+                             min(timeout_s, FALLBACK_POLL_S))
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
         rows = [(d.message.operation_id, d.receipt) for d in deliveries]

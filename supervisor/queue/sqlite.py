@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import time
 from collections.abc import Sequence
@@ -12,7 +11,13 @@ import aiosqlite
 
 from supervisor.ledger import sql
 from supervisor.ledger.database import Database
-from supervisor.queue.base import Capabilities, Delivery, Message, QueueStats
+from supervisor.queue.base import (
+    Capabilities,
+    Delivery,
+    Message,
+    QueueStats,
+    wait_until_due,
+)
 
 CAPABILITIES = Capabilities(transactional_ack=True, extend=True, nack=True, stats=True,
                             max_delay_s=float("inf"))
@@ -65,11 +70,7 @@ class SqliteQueue:
         # Clear before reading: a publish that lands during the read must still wake us.
         self._wakeup.clear()
         row = await self.db.read_one(sql.NEXT_AVAILABLE)
-        if row is not None and row[0] is not None:
-            timeout_s = max(0.0, min(timeout_s, row[0] - time.time()))
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._wakeup.wait()
+        await wait_until_due(self._wakeup, row[0] if row is not None else None, timeout_s)
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
         rows = [(d.message.operation_id, d.receipt) for d in deliveries]

@@ -81,13 +81,12 @@ async def test_a_replica_killed_mid_run_is_taken_over(pg: Any, e2e: E2E) -> None
     await sandbox.wait(30, executions=population // 3)
     services[victim].current.send(signal.SIGKILL)  # type: ignore[union-attr]
     assert await services[victim].current.wait_exit() == -signal.SIGKILL  # type: ignore[union-attr]
-    killed_at = time.monotonic()
     alive = {0, 1, 2} - {victim}
     survivors = [services[i] for i in sorted(alive)]
 
-    # Its roles move to the survivors within seconds (dead after 3 s, polled every 0.5 s).
-    await wait_roles_on(services, alive, within_s=15)
-    takeover_s = time.monotonic() - killed_at
+    # Its roles move to the survivors within seconds: its sessions end with the process,
+    # and a free role is tried every 0.5 s (its work is released after 3 s of silence).
+    await wait_roles_on(services, alive, within_s=8)
     run = await survivors[0].wait_done(run_id, within_s=90)
     stats = await sandbox.stats()
     log = await sandbox.log()
@@ -101,7 +100,6 @@ async def test_a_replica_killed_mid_run_is_taken_over(pg: Any, e2e: E2E) -> None
     assert run["counts"]["deleted"] + run["counts"]["already_absent"] == population, run
     reaped = sum(m.get("cleanup_replicas_reaped_total") for m in await metrics_of(survivors))
     assert reaped >= 1, "no survivor released the dead replica's work"
-    assert takeover_s < 15, takeover_s
 
 
 async def test_a_429_storm_cuts_every_replica(pg: Any, e2e: E2E) -> None:

@@ -15,10 +15,10 @@ import asyncio
 import contextlib
 import fcntl
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from supervisor import pg
 from supervisor.budget.base import RateBudget
@@ -96,6 +96,10 @@ class Backends:
     finish_every_s: float = 1.0
     storage_healthy: Callable[[], bool] = lambda: True
     describe: str = ""
+    # Tasks the backends own that the service supervises with its components (a SQLite
+    # ledger's writer): (name, coroutine function).
+    components: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = field(
+        default_factory=list)
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     async def close(self) -> None:
@@ -154,7 +158,8 @@ async def _open_sqlite(c: Config) -> Backends:
                     wakeups={"runs": asyncio.Event(), "outbox": asyncio.Event(),
                              "finished": asyncio.Event()},
                     released=released, storage_healthy=lambda: db.healthy,
-                    describe=f"ledger {c.ledger_path}", _closers=closers)
+                    describe=f"ledger {c.ledger_path}",
+                    components=[("ledger-writer", db.watch)], _closers=closers)
 
 
 async def _open_postgres(c: Config) -> Backends:

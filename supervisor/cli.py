@@ -53,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from supervisor.service import Service, install_signal_handlers
 
     cfg = config.load(_config_path(args.config))
-    logs.configure(args.log_level or cfg.service.log_level)
+    logs.configure(args.log_level or cfg.service.log_level, fmt=cfg.service.log_format)
 
     async def serve() -> int:
         service = Service(cfg)

@@ -259,13 +259,15 @@ async def get_run(request: web.Request) -> web.Response:
     run = await api.ledger.get_run(run_id)
     if run is None:
         raise ApiError(404, f"no run {run_id}")
-    if wait == "done" and not _done(run):
-        # Long-poll: woken by the monitor whenever runs change, not by a sleep loop.
+    if wait == "done" and not _done(run) and api.accepting:
+        # Long-poll: woken by the monitor whenever runs change, not by a sleep loop, and
+        # by the start of a drain: a waiting client must not hold the process past its
+        # grace period (it gets the run as it stands, as at its timeout).
         deadline = time.monotonic() + timeout
         async with api.runs_changed:
             # Read under the lock: the monitor cannot notify between the read and the wait.
             run = await api.ledger.get_run(run_id)
-            while run is not None and not _done(run):
+            while run is not None and not _done(run) and api.accepting:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break

@@ -1,9 +1,18 @@
-"""Log configuration for the CLI: one line per event, structured fields as key=value."""
+"""Log configuration for the CLI: one line per event, in text or as one JSON object.
+
+Both formats carry the same fields: time, level, logger, message and the structured
+fields the code passes through ``extra=``; a traceback rides in ``exc`` (JSON) or after
+the line (text), never split over several JSON lines.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from datetime import UTC, datetime
+from typing import IO, Any, Literal
+
+import orjson
 
 # Fields the code passes through ``extra=``; shown after the message when present.
 FIELDS = ("action", "run_id", "operation_id")
@@ -16,9 +25,27 @@ class LineFormatter(logging.Formatter):
         return f"{line} {' '.join(extras)}" if extras else line
 
 
-def configure(level: str, stream: object = None) -> None:
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)  # type: ignore[arg-type]
-    handler.setFormatter(LineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: what a log shipper (Loki, Vector, journald) parses."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        for key in FIELDS:
+            if hasattr(record, key):
+                doc[key] = getattr(record, key)
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        # default=str: an extra that is not JSON (a Path, an enum) must not lose the line.
+        return orjson.dumps(doc, default=str).decode()
+
+
+def configure(level: str, stream: IO[str] | None = None,
+              fmt: Literal["text", "json"] = "text") -> None:
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else
+                         LineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

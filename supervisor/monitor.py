@@ -31,7 +31,8 @@ class Monitor:
     def __init__(self, ledger: Ledger, queue: Queue, budget: RateBudget,
                  runs_changed: asyncio.Condition, digest_cutoff_s: float | None = None,
                  finishes: Callable[[], bool] = lambda: True,
-                 settled: asyncio.Event | None = None, finish_every_s: float = REFRESH_S) -> None:
+                 settled: asyncio.Event | None = None, finish_every_s: float = REFRESH_S,
+                 readiness: Callable[[], object] = lambda: None) -> None:
         self.digest_cutoff_s = digest_cutoff_s
         # With replicas only the holder of the "monitor" role closes runs; every replica
         # refreshes its own gauges and wakes its own long-polls.
@@ -47,6 +48,9 @@ class Monitor:
         # wake this one: the holder of the role looks this often instead.
         self.finish_every_s = finish_every_s
         self._counted_at = -FOLLOWER_COUNT_S
+        # Evaluated every second so cleanup_ready is true on a service nothing polls
+        # (a container's HEALTHCHECK asks /healthz, not /readyz).
+        self.readiness = readiness
 
     async def run(self) -> None:
         last_refresh = 0.0
@@ -74,6 +78,7 @@ class Monitor:
         budget = self.budget.snapshot()
         metrics.publish_budget(budget)
         metrics.LEDGER_HEALTHY.set(1 if self.ledger.healthy else 0)
+        self.readiness()
         if not self.finishes() and time.monotonic() - self._counted_at < FOLLOWER_COUNT_S:
             return
         self._counted_at = time.monotonic()

@@ -88,7 +88,8 @@ class Service:
         monitor = Monitor(ledger, queue, budget, runs_changed, c.schedule.digest_cutoff_seconds,
                           finishes=lambda: roles.holds("monitor"),
                           settled=backends.wakeups["finished"],
-                          finish_every_s=backends.finish_every_s)
+                          finish_every_s=backends.finish_every_s,
+                          readiness=lambda: ready())
         scanner = Scanner(c, ledger, scan_wakeup, publish_wakeup)
         publisher = Publisher(ledger, queue, publish_wakeup)
         opener = RunOpener(c, ledger, scan_wakeup)
@@ -119,7 +120,10 @@ class Service:
         api = ApiState(config=c, ledger=ledger, opener=opener, reconciler=reconciler, ready=ready,
                        runs_changed=runs_changed, current_rate=lambda: budget.snapshot().rate,
                        push=push)
-        runner = web.AppRunner(create_app(api), access_log=None, handle_signals=False)
+        # Every handler is answered by the time the runner is cleaned up (long-polls end at
+        # the drain's start); the bound is for one that is not (a client reading slowly).
+        runner = web.AppRunner(create_app(api), access_log=None, handle_signals=False,
+                               shutdown_timeout=FINAL_WRITE_S)
         await runner.setup()
         try:
             site = web.TCPSite(runner, c.service.host, c.service.port)
@@ -149,6 +153,7 @@ class Service:
             ("consumers", pool.run),
             ("redrive", singleton("redrive", redriver.run)),
         ]
+        components += backends.components
         if backends.membership is not None:
             components.append(("heartbeat", backends.membership.run))
         # One component per events sink (a sink that is down delays only itself) and one
@@ -180,13 +185,15 @@ class Service:
                      extra={"action": "stopping"})
             # 1. stop intake: no new runs, no scanning, no publishing
             api.accepting = False
+            async with runs_changed:  # long-polls answer now, not at their timeout
+                runs_changed.notify_all()
             for name in intake & tasks.keys():
                 tasks[name].cancel()
             # 2. let requests in the air finish within the grace; hand back every lease
             summary = await pool.stop(c.service.shutdown_grace_seconds)
             tasks["consumers"].cancel()
             # 3. the monitor last, after a final pass so closed runs are recorded
-            for name in ("monitor", "finisher", "heartbeat"):
+            for name in ("monitor", "finisher", "heartbeat", *(n for n, _ in backends.components)):
                 if name in tasks:
                     tasks[name].cancel()
             for name in relay.names:  # undelivered events wait in the outbox for the next life
@@ -221,7 +228,8 @@ class Service:
         non-zero exit, so the container's restart policy takes over.
         """
         s = self.config.service
-        backoff = s.restart_backoff_seconds
+        backoff = RestartBackoff(s.restart_backoff_seconds, s.restart_backoff_max_seconds,
+                                 healthy_after_s=s.restart_window_seconds)
         crashes = self._restarts.setdefault(name, deque())
         while True:
             began = time.monotonic()
@@ -263,16 +271,31 @@ class Service:
                                  extra={"action": "escalate"})
                     self.request_stop()
                     return
-            # A component that ran well for a whole window before failing starts its
-            # backoff afresh: one fault a week must not wait 30 s because of last week's.
-            if time.monotonic() - began > s.restart_window_seconds:
-                backoff = s.restart_backoff_seconds
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(backoff):
+                async with asyncio.timeout(backoff.delay(time.monotonic() - began)):
                     await self.stop_requested.wait()
             if self.stop_requested.is_set():
                 return
-            backoff = min(backoff * 2, s.restart_backoff_max_seconds)
+
+
+class RestartBackoff:
+    """Doubling waits between restarts, from ``first`` up to ``cap``; a component that ran
+    healthy for ``healthy_after_s`` before failing starts again from ``first``: one fault
+    a week must not wait the cap because of last week's."""
+
+    def __init__(self, first: float, cap: float, healthy_after_s: float) -> None:
+        self.first = first
+        self.cap = cap
+        self.healthy_after_s = healthy_after_s
+        self._next = first
+
+    def delay(self, ran_for_s: float) -> float:
+        """The wait before the next start, given how long the last start ran."""
+        if ran_for_s >= self.healthy_after_s:
+            self._next = self.first
+        wait = self._next
+        self._next = min(self._next * 2, self.cap)
+        return wait
 
 
 async def _forever() -> None:
@@ -301,11 +324,17 @@ def install_signal_handlers(service: Service) -> Callable[[], None]:
             os._exit(1)
 
     signals = (signal.SIGTERM, signal.SIGINT)
+    # What was there before (Python's KeyboardInterrupt for SIGINT, a test runner's or an
+    # embedding program's handler): the loop's removal would leave the default instead.
+    previous = {sig: signal.getsignal(sig) for sig in signals}
     for sig in signals:
         loop.add_signal_handler(sig, handle, sig)
 
     def undo() -> None:
         for sig in signals:
             loop.remove_signal_handler(sig)
+            before = previous[sig]
+            if before is not None:  # None: set outside Python; nothing to restore to
+                signal.signal(sig, before)
 
     return undo

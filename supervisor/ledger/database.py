@@ -49,6 +49,10 @@ class Database:
         self.last_error: str | None = None
         self.commits = 0
         self._corrupt = False
+        # Why the writer task ended, while it is down: writes fail at once instead of
+        # waiting in a queue nobody serves; :meth:`watch` starts a new writer.
+        self._writer_died: BaseException | None = None
+        self._writer_ended = asyncio.Event()
 
     async def open(self) -> None:
         try:
@@ -61,7 +65,46 @@ class Database:
             await self.close()
             raise StorageError(f"cannot open ledger {self.path}: {exc}") from exc
         self.healthy = True
+        self._start_writer()
+
+    def _start_writer(self) -> None:
+        self._writer_died = None
+        self._writer_ended.clear()
         self._task = asyncio.create_task(self._write_loop(), name="ledger-writer")
+        self._task.add_done_callback(self._on_writer_end)
+
+    def _on_writer_end(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return  # close() cancels it after the last write
+        exc = task.exception()
+        if exc is None:
+            exc = RuntimeError("ledger writer returned")
+        self._writer_died = exc
+        self._mark_unhealthy(exc)
+        # Its transaction may still be open on the writer connection: the next writer
+        # starts on fresh connections (closing the old one rolls it back).
+        self._corrupt = True
+        # Nobody serves the queue now: every write waiting in it fails instead of hanging.
+        error = StorageError(f"ledger writer stopped: {exc!r}")
+        while not self._pending.empty():
+            _, fut = self._pending.get_nowait()
+            self._pending.task_done()
+            if not fut.done():
+                fut.set_exception(error)
+        self._writer_ended.set()
+
+    async def watch(self) -> None:
+        """The writer as a supervised component: returns never; when the writer task dies
+        it starts a new one and raises, so the supervisor counts the crash (and stops the
+        service when it keeps crashing) like any other component's."""
+        while True:
+            await self._writer_ended.wait()
+            exc = self._writer_died
+            if self._task is None or exc is None:  # closed meanwhile
+                self._writer_ended.clear()
+                continue
+            self._start_writer()
+            raise RuntimeError(f"ledger writer crashed and was restarted: {exc!r}") from exc
 
     @staticmethod
     async def _migrate(conn: aiosqlite.Connection) -> None:
@@ -99,7 +142,8 @@ class Database:
     async def close(self) -> None:
         """Finish every queued write, then close. Safe to call twice."""
         if self._task is not None:
-            await self._pending.join()
+            if not self._task.done():
+                await self._pending.join()
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -123,6 +167,8 @@ class Database:
         """
         if self._task is None:
             raise StorageError("ledger is not open")
+        if self._writer_died is not None:
+            raise StorageError(f"ledger writer stopped: {self._writer_died!r}")
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._pending.put_nowait(((fn, savepoint), fut))
         return await asyncio.shield(fut)
@@ -153,6 +199,11 @@ class Database:
                     self._fail(batch, StorageError(f"ledger {self.path} cannot be opened"))
                     continue
                 await self._commit(self._writer, batch)
+            except BaseException as exc:
+                # A fault outside the commit's own handling (or a cancellation): the
+                # batch's callers learn now rather than wait on futures nobody will set.
+                self._fail(batch, StorageError(f"ledger writer stopped: {exc!r}"))
+                raise
             finally:
                 for _ in batch:
                     self._pending.task_done()
@@ -212,7 +263,7 @@ class Database:
             if not fut.done():
                 fut.set_exception(error)
 
-    def _mark_unhealthy(self, exc: Exception) -> None:
+    def _mark_unhealthy(self, exc: BaseException) -> None:
         self._failed_at = time.monotonic()
         if self.healthy:
             # One clear line per fault, not one per failed write.

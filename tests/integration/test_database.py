@@ -203,3 +203,57 @@ async def test_a_ledger_of_the_previous_release_gains_the_bookkeeping(tmp_path: 
         assert stats.depth == 1
     finally:
         await db.close()
+
+
+class WriterBug(BaseException):
+    """Escapes the commit's own handling (which catches Exception): a bug in the writer."""
+
+
+async def test_a_dead_writer_fails_its_callers_and_is_restarted_by_the_supervisor(
+        db: Database) -> None:
+    from supervisor import metrics
+    from supervisor.config import Config, ServiceConfig
+    from supervisor.service import Service
+
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    async def crash(conn: aiosqlite.Connection) -> None:
+        entered.set()
+        await gate.wait()
+        raise WriterBug("writer bug")
+
+    async def insert(conn: aiosqlite.Connection) -> None:
+        await conn.execute("INSERT INTO messages (operation_id, run_id, recipient_id, "
+                           "available_at, enqueued_at) VALUES ('after', 'r', 'x', 0, 0)")
+
+    async def noop(conn: aiosqlite.Connection) -> None:
+        return None
+
+    crashing = asyncio.create_task(db.write(crash))
+    await entered.wait()
+    queued = [asyncio.create_task(db.write(noop)) for _ in range(3)]
+    # Scheduled after the three tasks' first steps (FIFO): they are queued behind the
+    # crashing batch when the writer dies.
+    asyncio.get_running_loop().call_soon(gate.set)
+    async with asyncio.timeout(5):  # nobody hangs
+        results = await asyncio.gather(crashing, *queued, return_exceptions=True)
+    assert all(isinstance(r, StorageError) for r in results), results
+    assert not db.healthy
+    with pytest.raises(StorageError, match="writer stopped"):
+        await db.write(noop)  # at once, not into a queue nobody serves
+
+    service = Service(Config(service=ServiceConfig(restart_backoff_seconds=0.01)))
+    restarts = metrics.COMPONENT_RESTARTS.labels("ledger-writer")
+    before = restarts._value.get()
+    supervised = asyncio.create_task(service._supervise("ledger-writer", db.watch))
+    try:
+        async with asyncio.timeout(5):
+            while restarts._value.get() == before:  # the crash is counted like any other
+                await asyncio.sleep(0.01)
+            await db.write(insert)
+        assert await count(db, "messages") == 1
+        assert service.fatal is None
+    finally:
+        supervised.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await supervised

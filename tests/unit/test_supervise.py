@@ -9,7 +9,7 @@ import pytest
 from supervisor import metrics
 from supervisor.config import Config, ServiceConfig
 from supervisor.errors import StorageError, TooManyCrashes
-from supervisor.service import Service
+from supervisor.service import RestartBackoff, Service
 
 
 def _service(max_restarts: int = 5) -> Service:
@@ -92,3 +92,44 @@ async def test_a_component_returning_while_running_counts_as_a_crash() -> None:
     async with asyncio.timeout(5):
         await service._supervise("quits", quits)
     assert isinstance(service.fatal, TooManyCrashes)
+
+
+def test_restart_backoff_doubles_to_its_cap_and_resets_after_a_healthy_period() -> None:
+    backoff = RestartBackoff(0.5, 4.0, healthy_after_s=60.0)
+    # Crashing at once, again and again: the waits double up to the cap.
+    assert [backoff.delay(0.1) for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    # Ran healthy for a whole window before failing: back to the first wait.
+    assert backoff.delay(60.0) == 0.5
+    assert backoff.delay(0.1) == 1.0
+    # Shorter than the window is not healthy: the doubling goes on.
+    assert backoff.delay(59.0) == 2.0
+
+
+async def test_a_component_that_ran_healthy_restarts_after_the_first_wait_again() -> None:
+    # Real time, small numbers: the first wait 1 ms, doubling; the healthy window 0.2 s.
+    # Eight quick crashes push the next wait to 256 ms; a start that then runs past the
+    # window and crashes is restarted after 1 ms again: well inside the 200 ms allowed.
+    service = Service(Config(service=ServiceConfig(
+        restart_backoff_seconds=0.001, restart_backoff_max_seconds=10, max_restarts=100,
+        restart_window_seconds=0.2)))
+    starts: list[float] = []
+    restarted = asyncio.Event()
+    quick = 8
+
+    async def component() -> None:
+        starts.append(asyncio.get_running_loop().time())
+        if len(starts) == quick + 1:
+            await asyncio.sleep(0.25)  # the healthy period itself, not a synchronisation
+        if len(starts) == quick + 2:
+            restarted.set()
+            await asyncio.Event().wait()
+        raise RuntimeError("crash")
+
+    task = asyncio.create_task(service._supervise("healthy-then-crash", component))
+    async with asyncio.timeout(5):
+        await restarted.wait()
+    crashed_at = starts[quick] + 0.25
+    assert starts[quick + 1] - crashed_at < 0.2, "waited the doubled backoff (256 ms)"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

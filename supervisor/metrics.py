@@ -149,3 +149,11 @@ EVENTS_FAILURES = Counter(
     "Deliveries to a sink that failed (each try of a batch), retried with backoff.", ["sink"])
 EVENTS_PRUNED = Counter(
     "cleanup_events_pruned", "Events every sink had taken, removed from the outbox.")
+
+# The digest rule (supervisor/exclusions.py): what GET /v1/exclusions answers, counted.
+DIGEST_EXCLUSIONS = Gauge(
+    "cleanup_digest_exclusions",
+    "Recipients of the current run the digest must exclude, by reason (deletion_pending, "
+    "deletion_in_flight, deletion_unconfirmed, deleted, absent_at_partner, deletion_failed); "
+    "read at cleanup_digest_cutoff_timestamp_seconds it is the count at the cutoff.",
+    ["reason"])

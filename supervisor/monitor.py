@@ -11,6 +11,7 @@ from collections.abc import Callable
 from supervisor import metrics
 from supervisor.budget.base import RateBudget
 from supervisor.errors import StorageError
+from supervisor.exclusions import count_by_reason
 from supervisor.ledger.base import Ledger
 from supervisor.queue.base import Queue
 from supervisor.states import SETTLED, TERMINAL, RunState
@@ -99,6 +100,8 @@ class Monitor:
         if self.digest_cutoff_s is not None:
             metrics.DIGEST_CUTOFF.set((run.scheduled_for or run.created_at) + self.digest_cutoff_s)
         counts = s.current_run_by_state
+        for reason, n in count_by_reason(counts).items():
+            metrics.DIGEST_EXCLUSIONS.labels(reason).set(n)
         discovered = sum(counts.values())
         unfinished = sum(n for st, n in counts.items() if st not in TERMINAL)
         metrics.RUN_DISCOVERED.set(discovered)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from supervisor import __version__
+from supervisor.exclusions import REASONS
 from supervisor.states import OpState, RunState
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -99,6 +100,25 @@ DOCUMENT: dict[str, Any] = {
                                *_PAGE_PARAMS],
                 "responses": {**_ok("operations", {"$ref": "#/components/schemas/OpPage"}),
                               **_errors(400, 401, 404)},
+            },
+        },
+        "/v1/exclusions": {
+            "get": {
+                "summary": "The digest rule: every recipient of a schedule's current run, "
+                           "with the reason the digest must exclude it",
+                "parameters": [
+                    {"name": "schedule", "in": "query",
+                     "schema": {"type": "string", "pattern": "^[!-~]{1,100}$"}},
+                    {"name": "format", "in": "query", "description": "jsonl: stream them all",
+                     "schema": {"type": "string", "enum": ["json", "jsonl"]}},
+                    *_PAGE_PARAMS],
+                "responses": {
+                    "200": {"description": "a page of exclusions, or every one as JSON lines",
+                            "content": {
+                                "application/json": {"schema": {
+                                    "$ref": "#/components/schemas/ExclusionPage"}},
+                                "application/x-ndjson": {"schema": {"type": "string"}}}},
+                    **_errors(400, 401, 404)},
             },
         },
         "/v1/operations": {
@@ -224,6 +244,32 @@ DOCUMENT: dict[str, Any] = {
                     "attempts": {"type": "integer"}, "reason": _STR_OR_NULL,
                     "created_at": {"type": "number"}, "updated_at": {"type": "number"},
                     "attempts_log": {"type": "array", "items": {"type": "object"}},
+                },
+            },
+            "Exclusion": {
+                "type": "object",
+                "required": ["recipient_id", "operation_id", "state", "reason"],
+                "properties": {
+                    "recipient_id": {"type": "string"}, "operation_id": {"type": "string"},
+                    "state": _STATE,
+                    "reason": {"type": "string", "enum": sorted(set(REASONS.values()))},
+                    "detail": _STR_OR_NULL, "updated_at": {"type": "number"},
+                },
+            },
+            "ExclusionPage": {
+                "type": "object", "required": ["schedule", "run", "exclusions", "next_after"],
+                "properties": {
+                    "schedule": {"type": "string"},
+                    "run": {"type": "object", "required": ["id", "state", "complete"],
+                            "properties": {"id": {"type": "string"},
+                                           "state": {"type": "string",
+                                                     "enum": [s.value for s in RunState]},
+                                           "scheduled_for": _NUM_OR_NULL,
+                                           "complete": {"type": "boolean"},
+                                           "digest_cutoff": _NUM_OR_NULL}},
+                    "exclusions": {"type": "array",
+                                   "items": {"$ref": "#/components/schemas/Exclusion"}},
+                    "next_after": {"type": ["string", "null"]},
                 },
             },
             "OpPage": {

@@ -35,7 +35,8 @@ async def test_a_sqlite_ledger_that_cannot_open_exits_3_naming_the_file(e2e):
     (svc.data_dir / "cleanup.sqlite3").mkdir(parents=True)  # a directory where the file goes
     sp = await svc.spawn()
     assert await sp.wait_exit() == EXIT_STARTUP, sp.tail()
-    assert "cannot open ledger" in sp.tail() and "cleanup.sqlite3" in sp.tail(), sp.tail()
+    assert "cannot open ledger" in sp.tail(), sp.tail()
+    assert "cleanup.sqlite3" in sp.tail(), sp.tail()
     assert "Traceback" not in sp.tail()
 
 
@@ -66,7 +67,9 @@ async def test_json_logs_are_one_object_per_line_with_the_text_fields(e2e):
     docs = [orjson.loads(line) for line in sp.lines]  # every line is one JSON object
     assert all({"ts", "level", "logger", "message"} <= d.keys() for d in docs), docs
     done = [d for d in docs if d.get("action") == "run_done"]
-    assert done and done[0]["run_id"] == run_id and done[0]["level"] == "INFO", done
+    assert done, docs
+    assert done[0]["run_id"] == run_id, done
+    assert done[0]["level"] == "INFO", done
     assert {d["action"] for d in docs if "action" in d} >= {"started", "signal", "stopping",
                                                              "stopped"}
 
@@ -86,7 +89,8 @@ async def test_a_long_poll_answers_when_the_drain_begins_and_cannot_hold_the_exi
     async with asyncio.timeout(grace):
         status, doc = await poll
     assert status == 200, doc
-    assert doc["state"] != "done" and doc["unfinished"] > 0, doc  # the run as it stands
+    assert doc["state"] != "done", doc  # the run as it stands
+    assert doc["unfinished"] > 0, doc
     assert await sp.wait_exit() == 0
     # The drain's bound, not the long-poll's 60 s: the grace plus the two bounded writes.
     assert time.monotonic() - signalled < grace + 6.0 + 2.0

@@ -78,7 +78,8 @@ def test_image_documents_a_stop_timeout_longer_than_the_drain() -> None:
     timeouts = [float(t) for t in re.findall(r"--stop-timeout\s+(\d+)", header)]
     grace = tomllib.loads((PACKAGING / "container.toml").read_text())["service"][
         "shutdown_grace_seconds"]
-    assert timeouts and min(timeouts) > _drain_budget(grace)
+    assert timeouts
+    assert min(timeouts) > _drain_budget(grace)
     readme = (ROOT / "README.md").read_text()
     assert all(float(t) > _drain_budget(grace)
                for t in re.findall(r"--stop-timeout\s+(\d+)", readme))

@@ -7,7 +7,8 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -93,6 +94,60 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     print(f"{where}: " + (", ".join(f"applied {a}" for a in applied) if applied
                           else "up to date"))
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """N / R against the cron ceiling and the digest cutoff (supervisor/plan.py)."""
+    from supervisor import plan
+
+    path = _config_path(args.config)
+    # Without a file the arithmetic needs no secret: the defaults, not a validated load.
+    cfg = config.load(path) if path is not None else config.Config()
+    pages = None
+    if args.count_source:
+        candidates, pages = run_async(plan.count_source(cfg))
+    elif args.candidates is not None:
+        candidates = args.candidates
+    else:
+        print("error: give --candidates N, or --count-source to count the configured source",
+              file=sys.stderr)
+        return EXIT_USAGE
+    rate = args.rate if args.rate is not None else cfg.limits.rate_per_second
+    cutoff = args.cutoff_seconds if args.cutoff_seconds is not None else \
+        cfg.schedule.digest_cutoff_seconds
+    if args.start is not None:
+        try:
+            start = datetime.fromisoformat(args.start)
+        except ValueError:
+            start = None
+        if start is None or start.tzinfo is None:
+            print("error: --start must be an ISO 8601 time with a UTC offset "
+                  "(e.g. 2026-12-07T02:00:00+00:00)",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        start_ts = start.timestamp()
+    else:
+        start_ts = plan.start_time(cfg, datetime.now(UTC))
+    result = plan.Plan(candidates=candidates, rate=rate, cron_ceiling_s=args.cron_ceiling,
+                       limit=args.limit, start=start_ts, cutoff_s=cutoff, counted_pages=pages)
+    if args.json:
+        print(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(plan.render(result))
+    return 0
+
+
+def _positive_number(kind: type[int] | type[float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -335,6 +390,26 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("check-config", help="validate a configuration; exit 2 on problems")
     s.add_argument("config", nargs="?")
     s.set_defaults(func=cmd_check_config)
+
+    s = sub.add_parser("plan", help="N / R against the cron ceiling and the digest cutoff")
+    s.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    n = s.add_mutually_exclusive_group()
+    n.add_argument("--candidates", type=_positive_number(int), help="how many stale recipients")
+    n.add_argument("--count-source", action="store_true",
+                   help="count them by paging the configured source (file or http)")
+    s.add_argument("--rate", type=_positive_number(float),
+                   help="the partner's requests per second (default: limits.rate_per_second)")
+    s.add_argument("--limit", choices=["known", "learnt", "remembered"], default="known",
+                   help="whether the rate is the partner's documented limit, one to be learnt "
+                        "from 429s, or one an earlier run learnt (picks the measured overhead)")
+    s.add_argument("--cron-ceiling", type=_positive_number(float), default=900.0,
+                   help="the cron provider's execution ceiling in seconds (default 900)")
+    s.add_argument("--cutoff-seconds", type=_positive_number(float),
+                   help="digest cutoff after the start (default: schedule.digest_cutoff_seconds)")
+    s.add_argument("--start", help="when the run opens, ISO 8601 with offset (default: the "
+                                   "schedule's next slot, or now)")
+    s.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("demo", help="a full run against the local partner simulator")
     s.add_argument("--config", default="config/default.toml")

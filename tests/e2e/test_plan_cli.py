@@ -1,0 +1,66 @@
+"""`cleanup-supervisor plan` as an operator runs it: counting the real source (the
+partner simulator's paged endpoint, a JSONL file), and refusing bad input clearly."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from conftest import toml_text
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_plan_counts_the_http_source_and_judges_the_cutoff(e2e, tmp_path):
+    sandbox = await e2e.sandbox("--recipients", 1234, "--rate", 500)
+    svc = e2e.service(sandbox, {"limits": {"rate_per_second": 2.0},
+                                "schedule": {"digest_cutoff_seconds": 600}})
+    code, out, err = await e2e.cli("plan", "--config", str(svc.config_path), "--count-source",
+                                   "--start", "2026-12-07T02:00:00+00:00", "--json")
+    assert code == 0, err
+    doc = orjson.loads(out)
+    assert doc["candidates"] == 1234  # 3 pages of 500
+    assert doc["counted_pages"] == 3
+    assert doc["rate"] == 2.0
+    assert doc["ideal_seconds"] == 617.0
+    assert doc["cron_alone_fits"] is False
+    assert doc["fits_digest_cutoff"] is False  # 617 s x overhead > 600 s
+    code, out, err = await e2e.cli("plan", "--config", str(svc.config_path), "--count-source",
+                                   "--rate", "20")
+    assert code == 0, err
+    assert "N = 1,234 (counted from the source, 3 pages)" in out
+    assert "cron alone       fits" in out
+
+
+async def test_plan_counts_a_file_source_once_per_recipient(e2e, tmp_path):
+    ids = tmp_path / "stale.jsonl"
+    ids.write_text("".join(f'{{"id": "r-{i % 700}"}}\n' for i in range(1000)))  # 300 repeats
+    cfg = tmp_path / "file.toml"
+    cfg.write_text(toml_text({"source": {"kind": "file", "path": str(ids), "format": "jsonl"}}))
+    code, out, err = await e2e.cli("plan", "--config", str(cfg), "--count-source", "--json")
+    assert code == 0, err
+    assert orjson.loads(out)["candidates"] == 700
+
+
+async def test_plan_refuses_bad_input_naming_it(e2e, tmp_path):
+    code, _, err = await e2e.cli("plan")
+    assert code == 2
+    assert "--candidates" in err
+    code, _, err = await e2e.cli("plan", "--candidates", "-5")
+    assert code == 2
+    assert "must be > 0" in err
+    code, _, err = await e2e.cli("plan", "--candidates", "10", "--start", "2026-12-07T02:00")
+    assert code == 2
+    assert "UTC offset" in err
+    code, _, err = await e2e.cli("plan", "--candidates", "10", "--start", "monday")
+    assert code == 2
+    assert "ISO 8601" in err
+    code, _, err = await e2e.cli("plan", "--count-source")  # the defaults: inline source
+    assert code != 0
+    assert "--candidates" in err
+    # An http source that answers garbage: the scan's own error, no traceback.
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(toml_text({"source": {"kind": "http", "url": "http://127.0.0.1:9/x"}}))
+    code, _, err = await e2e.cli("plan", "--config", str(cfg), "--count-source")
+    assert code != 0
+    assert "candidate source unreachable" in err
+    assert "Traceback" not in err

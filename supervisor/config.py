@@ -41,6 +41,8 @@ class ServiceConfig:
     shutdown_grace_seconds: float = 20.0
     max_body_bytes: int = 256 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # "json": one object per line (a log shipper parses it); "text": key=value after the message.
+    log_format: Literal["text", "json"] = "text"
     restart_backoff_seconds: float = 0.5
     restart_backoff_max_seconds: float = 30.0
     max_restarts: int = 5
@@ -298,6 +300,36 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StatusConfig:
+    """The status page at ``/`` for a person (supervisor/status): a browser login with
+    the trigger token (an operator: may resolve) or the read-only token (a viewer)."""
+
+    enabled: bool = True
+    # Optional: unset, only operators can log in; never an error.
+    token_env: str = "CLEANUP_STATUS_TOKEN"
+    token: Secret | None = None  # resolved from token_env, never read from the file
+    # Sessions live in this process's memory: a restart logs everyone out.
+    session_seconds: float = 8 * 3600.0
+    # True behind TLS: the cookie is then only sent over HTTPS (and named __Host-...).
+    secure_cookie: bool = False
+    # scheme://host[:port] the browser sees, when a proxy rewrites the Host header; a
+    # form's Origin must match it. Empty: the Host header of the request is the origin.
+    origin: str = ""
+    # Failed logins from one address within a minute before it must wait (429).
+    login_failures_per_minute: int = 10
+
+    def problems(self) -> list[str]:
+        out = _positive("status", self, "session_seconds", "login_failures_per_minute")
+        if self.origin:
+            parts = urlsplit(self.origin)
+            if parts.scheme not in ("http", "https") or not parts.netloc or \
+                    parts.path not in ("", "/") or parts.query or parts.fragment:
+                out.append("status.origin must be scheme://host[:port] (no path), "
+                           f"got {self.origin!r}")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
@@ -309,6 +341,7 @@ class Config:
     partner: PartnerConfig = field(default_factory=PartnerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    status: StatusConfig = field(default_factory=StatusConfig)
 
     @property
     def ledger_path(self) -> Path:
@@ -368,6 +401,12 @@ def load(path: Path | None, environ: Mapping[str, str] | None = None) -> Config:
 def _across(sections: Mapping[str, Any]) -> list[str]:
     """Problems that take two sections to see."""
     out = []
+    viewer, operator = sections["status"].token, sections["trigger"].token
+    if viewer is not None and viewer == operator:
+        # The page could not tell a viewer from an operator: the read-only token would
+        # grant resolving.
+        out.append(f"status.token_env: ${sections['status'].token_env} holds the trigger "
+                   "token; the read-only token must differ from it")
     if sections["infrai"].delivery == "push" and sections["queue"].backend != "infrai":
         out.append("infrai.delivery = 'push' needs queue.backend = 'infrai' (Infrai pushes "
                    "the messages published to its queue)")

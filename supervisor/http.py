@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 from prometheus_async.aio.web import server_stats
 
-from supervisor import metrics
+from supervisor import exclusions, metrics
 from supervisor.config import Config
 from supervisor.errors import IllegalTransition
 from supervisor.ledger.base import Ledger, Operation, Run
@@ -26,6 +26,7 @@ from supervisor.reconcile import RESOLUTIONS, Reconciler
 from supervisor.runs import RunOpener, Tick
 from supervisor.sources import check_recipient_id
 from supervisor.states import SETTLED, OpState, RunState
+from supervisor.status import add_status_routes
 
 log = logging.getLogger(__name__)
 
@@ -375,6 +376,34 @@ async def resolve_operation(request: web.Request) -> web.Response:
     return _json({"id": op_id, "state": target.value})
 
 
+async def get_exclusions(request: web.Request) -> web.StreamResponse:
+    """The digest rule: every recipient of a schedule's current run, with its reason.
+    Paged as JSON (``limit``, ``after``), or every one streamed as JSON lines
+    (``format=jsonl`` or ``Accept: application/x-ndjson``)."""
+    _authorize(request)
+    api = request.app[API]
+    schedule = request.query.get("schedule", api.config.schedule.name)
+    if not exclusions.SCHEDULE.fullmatch(schedule):
+        raise ApiError(400, "schedule must be 1 to 100 visible ASCII characters")
+    fmt = request.query.get("format")
+    if fmt not in (None, "json", "jsonl"):
+        raise ApiError(400, "format must be 'json' or 'jsonl'")
+    jsonl = fmt == "jsonl" or (fmt is None and exclusions.JSONL in request.headers.get(
+        "Accept", ""))
+    limit = _int_param(request, "limit", 1000, 1, MAX_PAGE)
+    after = _cursor_param(request)
+    run = await exclusions.current_run(api.ledger, schedule)
+    if run is None:
+        raise ApiError(404, f"no run of schedule {schedule!r}")
+    cutoff = api.config.schedule.digest_cutoff_seconds
+    if jsonl:
+        return await exclusions.stream(request, api.ledger, run, cutoff)
+    rows = await api.ledger.list_operations(run.id, None, after, limit)
+    return _json({"schedule": schedule, "run": exclusions.run_header(run, cutoff),
+                  "exclusions": [exclusions.record(op) for op in rows],
+                  "next_after": rows[-1].id if len(rows) == limit else None})
+
+
 async def post_push(request: web.Request) -> web.Response:
     """One Infrai push delivery. The signature is the authentication: nothing is read
     from a body it does not cover, and nothing is written for a rejected delivery."""
@@ -436,9 +465,11 @@ def create_app(state: ApiState) -> web.Application:
     app.router.add_get("/v1/operations", list_all_operations)
     app.router.add_get("/v1/operations/{operation_id}", get_operation)
     app.router.add_post("/v1/operations/{operation_id}/resolve", resolve_operation)
+    app.router.add_get("/v1/exclusions", get_exclusions)
     app.router.add_post("/v1/push/{queue}", post_push)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/openapi.json", openapi)
+    add_status_routes(app, state)  # the HTML status page at / (supervisor/status)
     return app

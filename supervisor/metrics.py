@@ -35,7 +35,8 @@ TRANSPORT_BLOCKED = Gauge(
 
 LIMITER_PAUSED_UNTIL = Gauge(
     "cleanup_limiter_paused_until_timestamp_seconds",
-    "Unix time until which a Retry-After holds every worker; 0 when not paused.")
+    "Unix time until which a Retry-After (or the limiter's own backoff after a 429) holds "
+    "every worker: the last pause's end, in the past once it is over; 0 if none since start.")
 LIMITER_RATE = Gauge("cleanup_limiter_rate_per_second", "The current adaptive rate.")
 LIMITER_CEILING = Gauge("cleanup_limiter_ceiling_per_second", "The configured ceiling.")
 LIMITER_LEARNT = Gauge(
@@ -65,6 +66,12 @@ AMBIGUOUS_ENTERED = Counter(
     "Operations that became ambiguous (their later resolution counts in cleanup_operations).")
 PARTNER_RESPONSES = Counter(
     "cleanup_partner_responses", "Partner answers by HTTP status (or 'error').", ["status"])
+# Exported at 0 from the start: a labelled series is born with its first increment, and
+# increase()/rate() see no rise in a series whose first sample already counts it (the first
+# failure, the first 429 would be missed by the alerts and read low on the dashboard).
+for _outcome in ("deleted", "already_absent", "failed"):
+    OPERATIONS.labels(_outcome)
+PARTNER_RESPONSES.labels("429")
 PARTNER_DURATION = Histogram(
     "cleanup_partner_request_duration_seconds", "Partner DELETE latency.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 REFRESH_S = 1.0
 # A replica not holding the monitor role counts the queue and the current run this often:
 # at a million operations each count costs the database a third to a whole second
-# (docs/scale.md), and the holder already counts every second (dashboards take the max
-# across replicas).
+# (docs/scale.md), and the holder already counts every second (the dashboard reads the
+# replica holding the monitor role: a follower's figures may be 15 s old).
 FOLLOWER_COUNT_S = 15.0
 
 
@@ -54,7 +54,9 @@ class Monitor:
         self.readiness = readiness
 
     async def run(self) -> None:
-        last_refresh = 0.0
+        # At once, not a second in: cleanup_ready (and the gauges) are right from the start.
+        await self.refresh()
+        last_refresh = time.monotonic()
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.finish_every_s if self.finishes() else REFRESH_S):

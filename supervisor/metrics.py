@@ -37,6 +37,10 @@ LIMITER_PAUSED_UNTIL = Gauge(
     "cleanup_limiter_paused_until_timestamp_seconds",
     "Unix time until which a Retry-After (or the limiter's own backoff after a 429) holds "
     "every worker: the last pause's end, in the past once it is over; 0 if none since start.")
+LIMITER_PAUSED_SECONDS = Counter(
+    "cleanup_limiter_paused_seconds",
+    "Seconds a pause (a Retry-After, a spent announced quota) held every worker, added up "
+    "each second by the monitor: increase() over a window is how much of it was paused.")
 LIMITER_RATE = Gauge("cleanup_limiter_rate_per_second", "The current adaptive rate.")
 LIMITER_CEILING = Gauge("cleanup_limiter_ceiling_per_second", "The configured ceiling.")
 LIMITER_LEARNT = Gauge(

@@ -52,6 +52,7 @@ class Monitor:
         # Evaluated every second so cleanup_ready is true on a service nothing polls
         # (a container's HEALTHCHECK asks /healthz, not /readyz).
         self.readiness = readiness
+        self._refreshed_wall: float | None = None
 
     async def run(self) -> None:
         # At once, not a second in: cleanup_ready (and the gauges) are right from the start.
@@ -80,6 +81,13 @@ class Monitor:
     async def refresh(self) -> None:
         budget = self.budget.snapshot()
         metrics.publish_budget(budget)
+        # The time since the last refresh that a pause covered (its start is not kept: a
+        # pause begun between two refreshes counts from the earlier one, at most 1 s over).
+        now = time.time()
+        paused_until = budget.state.paused_until
+        if self._refreshed_wall is not None and paused_until > self._refreshed_wall:
+            metrics.LIMITER_PAUSED_SECONDS.inc(min(now, paused_until) - self._refreshed_wall)
+        self._refreshed_wall = now
         metrics.LEDGER_HEALTHY.set(1 if self.ledger.healthy else 0)
         self.readiness()
         if not self.finishes() and time.monotonic() - self._counted_at < FOLLOWER_COUNT_S:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import re
@@ -23,7 +24,7 @@ from supervisor.ledger.base import Ledger, Operation, Run
 from supervisor.openapi import DOCUMENT, PRINTABLE, TICK_KEY
 from supervisor.push import PushReceiver, PushRejected, answer_body, parse_delivery, verify
 from supervisor.reconcile import RESOLUTIONS, Reconciler
-from supervisor.runs import RunOpener, Tick
+from supervisor.runs import Broadcast, RunOpener, Tick
 from supervisor.sources import check_recipient_id
 from supervisor.states import SETTLED, OpState, RunState
 from supervisor.status import add_status_routes
@@ -46,7 +47,7 @@ class ApiState:
     opener: RunOpener
     reconciler: Reconciler
     ready: Callable[[], tuple[bool, dict[str, bool]]]
-    runs_changed: asyncio.Condition
+    runs_changed: Broadcast
     current_rate: Callable[[], float]
     accepting: bool = True
     # Push delivery (POST /v1/push/{queue}); None: not configured, the route answers 404.
@@ -265,20 +266,18 @@ async def get_run(request: web.Request) -> web.Response:
         # by the start of a drain: a waiting client must not hold the process past its
         # grace period (it gets the run as it stands, as at its timeout).
         deadline = time.monotonic() + timeout
-        async with api.runs_changed:
-            # Read under the lock: the monitor cannot notify between the read and the wait.
-            run = await api.ledger.get_run(run_id)
-            while run is not None and not _done(run) and api.accepting:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    async with asyncio.timeout(remaining):
-                        await api.runs_changed.wait()
-                except TimeoutError:
-                    break
-                run = await api.ledger.get_run(run_id)
-        assert run is not None
+        while True:
+            changed = api.runs_changed.event()  # before the read: a later change sets it
+            current = await api.ledger.get_run(run_id)
+            if current is None:
+                raise ApiError(404, f"no run {run_id}")
+            run = current
+            remaining = deadline - time.monotonic()
+            if _done(run) or not api.accepting or remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
     counts = await api.ledger.run_counts(run_id)
     return _json(run_view(run, counts, api.current_rate()))
 

@@ -14,6 +14,7 @@ from supervisor.errors import StorageError
 from supervisor.exclusions import count_by_reason
 from supervisor.ledger.base import Ledger
 from supervisor.queue.base import Queue
+from supervisor.runs import Broadcast
 from supervisor.states import SETTLED, TERMINAL, RunState
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class Monitor:
     """Wakes on every settlement (at most every 100 ms) and at least once a second."""
 
     def __init__(self, ledger: Ledger, queue: Queue, budget: RateBudget,
-                 runs_changed: asyncio.Condition, digest_cutoff_s: float | None = None,
+                 runs_changed: Broadcast, digest_cutoff_s: float | None = None,
                  finishes: Callable[[], bool] = lambda: True,
                  settled: asyncio.Event | None = None, finish_every_s: float = REFRESH_S,
                  readiness: Callable[[], object] = lambda: None) -> None:
@@ -52,7 +53,7 @@ class Monitor:
         # Evaluated every second so cleanup_ready is true on a service nothing polls
         # (a container's HEALTHCHECK asks /healthz, not /readyz).
         self.readiness = readiness
-        self._refreshed_wall: float | None = None
+        self._last_pause: tuple[float, float] | None = None  # (refreshed at, paused until)
 
     async def run(self) -> None:
         # At once, not a second in: cleanup_ready (and the gauges) are right from the start.
@@ -71,23 +72,28 @@ class Monitor:
                     # What this run learnt about the partner is where the next one starts.
                     with contextlib.suppress(StorageError):
                         await self.budget.save()
-                async with self.runs_changed:
-                    self.runs_changed.notify_all()
+                self.runs_changed.notify()
             if time.monotonic() - last_refresh >= REFRESH_S:
                 last_refresh = time.monotonic()
                 await self.refresh()
             await asyncio.sleep(0.1)  # coalesce bursts of settlements into one pass
 
+    def _count_paused(self, paused_until: float) -> None:
+        """Add the time since the last refresh that the pause seen then covered. A pause
+        begun since counts from the next refresh: it is under-counted by at most a second,
+        never over-counted (a 0.1 s backoff after a 429 must not read as a paused second).
+        Wall clock, as the pause's end is; a step back counts nothing."""
+        now = time.time()
+        if self._last_pause is not None:
+            seen_at, until = self._last_pause
+            if until > seen_at:
+                metrics.LIMITER_PAUSED_SECONDS.inc(max(0.0, min(now, until) - seen_at))
+        self._last_pause = (now, paused_until)
+
     async def refresh(self) -> None:
         budget = self.budget.snapshot()
         metrics.publish_budget(budget)
-        # The time since the last refresh that a pause covered (its start is not kept: a
-        # pause begun between two refreshes counts from the earlier one, at most 1 s over).
-        now = time.time()
-        paused_until = budget.state.paused_until
-        if self._refreshed_wall is not None and paused_until > self._refreshed_wall:
-            metrics.LIMITER_PAUSED_SECONDS.inc(min(now, paused_until) - self._refreshed_wall)
-        self._refreshed_wall = now
+        self._count_paused(budget.state.paused_until)
         metrics.LEDGER_HEALTHY.set(1 if self.ledger.healthy else 0)
         self.readiness()
         if not self.finishes() and time.monotonic() - self._counted_at < FOLLOWER_COUNT_S:

@@ -19,6 +19,21 @@ from supervisor.ledger.base import Ledger, OpenRunResult
 log = logging.getLogger(__name__)
 
 
+class Broadcast:
+    """Wakes every waiter at once, with no lock to wait for: a waiter takes :meth:`event`
+    *before* reading what it waits on, so a change after its read still wakes it."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def event(self) -> asyncio.Event:
+        return self._event
+
+    def notify(self) -> None:
+        event, self._event = self._event, asyncio.Event()
+        event.set()
+
+
 @dataclass(frozen=True, slots=True)
 class Tick:
     """A request to open a run. ``slot`` is the scheduled time it stands for, if known."""

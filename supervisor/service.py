@@ -37,7 +37,7 @@ from supervisor.queue.base import Queue
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.reconcile import Reconciler
 from supervisor.redrive import Redriver
-from supervisor.runs import RunOpener
+from supervisor.runs import Broadcast, RunOpener
 from supervisor.scan import Publisher, Scanner
 from supervisor.schedule import Scheduler
 from supervisor.ticks import TickPuller
@@ -47,6 +47,15 @@ log = logging.getLogger(__name__)
 Factory = Callable[[], Coroutine[Any, Any, None]]
 # Each write after the drain (closing runs, the budget's memory) gets this long.
 FINAL_WRITE_S = 3.0
+# Closing everything after those writes (HTTP, partner, sinks, queue, ledger) gets this long.
+CLOSE_TOTAL_S = 10.0
+
+
+def max_stop_seconds(grace_s: float) -> float:
+    """The longest a SIGTERM can take to exit: the drain's grace, the two final writes, the
+    closing. A runtime's stop timeout (systemd, compose, podman/docker run) must exceed it,
+    or the stop becomes a SIGKILL mid-drain."""
+    return grace_s + 2 * FINAL_WRITE_S + CLOSE_TOTAL_S
 
 
 class Service:
@@ -82,7 +91,7 @@ class Service:
                                         backends.roles)
         partner = PartnerClient(c.partner, c.limits.concurrency)
         await partner.start()
-        runs_changed = asyncio.Condition()
+        runs_changed = Broadcast()
         scan_wakeup = backends.wakeups["runs"]
         publish_wakeup = backends.wakeups["outbox"]
         monitor = Monitor(ledger, queue, budget, runs_changed, c.schedule.digest_cutoff_seconds,
@@ -185,8 +194,7 @@ class Service:
                      extra={"action": "stopping"})
             # 1. stop intake: no new runs, no scanning, no publishing
             api.accepting = False
-            async with runs_changed:  # long-polls answer now, not at their timeout
-                runs_changed.notify_all()
+            runs_changed.notify()  # long-polls answer now, not at their timeout
             for name in intake & tasks.keys():
                 tasks[name].cancel()
             # 2. let requests in the air finish within the grace; hand back every lease
@@ -206,13 +214,20 @@ class Service:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(FINAL_WRITE_S):
                 await budget.save()  # a pause in force, a limit learnt: the next life starts there
-        # 4. close outward connections, then the ledger (it flushes pending writes)
-        await runner.cleanup()
-        await partner.close()
-        await relay.close()
-        if tick_queue is not None:
-            await tick_queue.close()
-        await backends.close()
+        # 4. close outward connections, then the ledger (it flushes pending writes), all
+        # within one bound: what is not closed by then, the process's exit closes (and the
+        # next life finds what was not written).
+        try:
+            async with asyncio.timeout(CLOSE_TOTAL_S):
+                await runner.cleanup()
+                await partner.close()
+                await relay.close()
+                if tick_queue is not None:
+                    await tick_queue.close()
+                await backends.close()
+        except TimeoutError:
+            log.warning("closing took over %gs; exiting with the rest unclosed", CLOSE_TOTAL_S,
+                        extra={"action": "close_timeout"})
         log.info("stopped after %.1fs: %d operations settled, %d workers, %d cut off at the "
                  "grace limit", time.monotonic() - started_at, pool.settled,
                  summary.get("workers", 0), summary.get("cut_off", 0),

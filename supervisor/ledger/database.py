@@ -53,6 +53,7 @@ class Database:
         # waiting in a queue nobody serves; :meth:`watch` starts a new writer.
         self._writer_died: BaseException | None = None
         self._writer_ended = asyncio.Event()
+        self._closing = False
 
     async def open(self) -> None:
         try:
@@ -65,6 +66,7 @@ class Database:
             await self.close()
             raise StorageError(f"cannot open ledger {self.path}: {exc}") from exc
         self.healthy = True
+        self._closing = False
         self._start_writer()
 
     def _start_writer(self) -> None:
@@ -75,7 +77,9 @@ class Database:
 
     def _on_writer_end(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
-            return  # close() cancels it after the last write
+            # close() cancels it after the last write; anything queued since fails.
+            self._fail_pending(StorageError("ledger is closed"))
+            return
         exc = task.exception()
         if exc is None:
             exc = RuntimeError("ledger writer returned")
@@ -85,13 +89,15 @@ class Database:
         # starts on fresh connections (closing the old one rolls it back).
         self._corrupt = True
         # Nobody serves the queue now: every write waiting in it fails instead of hanging.
-        error = StorageError(f"ledger writer stopped: {exc!r}")
+        self._fail_pending(StorageError(f"ledger writer stopped: {exc!r}"))
+        self._writer_ended.set()
+
+    def _fail_pending(self, error: StorageError) -> None:
         while not self._pending.empty():
             _, fut = self._pending.get_nowait()
             self._pending.task_done()
             if not fut.done():
                 fut.set_exception(error)
-        self._writer_ended.set()
 
     async def watch(self) -> None:
         """The writer as a supervised component: returns never; when the writer task dies
@@ -100,7 +106,7 @@ class Database:
         while True:
             await self._writer_ended.wait()
             exc = self._writer_died
-            if self._task is None or exc is None:  # closed meanwhile
+            if self._task is None or exc is None or self._closing:  # closed meanwhile
                 self._writer_ended.clear()
                 continue
             self._start_writer()
@@ -140,19 +146,25 @@ class Database:
             self._mark_unhealthy(exc)
 
     async def close(self) -> None:
-        """Finish every queued write, then close. Safe to call twice."""
-        if self._task is not None:
-            if not self._task.done():
-                await self._pending.join()
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        for conn in (self._reader, self._writer):
-            if conn is not None:
-                with contextlib.suppress(sqlite3.Error, ValueError):
-                    await conn.close()
-        self._reader = self._writer = None
+        """Finish every queued write, then close. Safe to call twice; a write asked for
+        meanwhile fails at once, and a writer that died is not waited for."""
+        self._closing = True
+        task, self._task = self._task, None
+        try:
+            if task is not None:
+                if not task.done():
+                    await self._pending.join()
+                    task.cancel()
+                    await asyncio.wait([task])
+                elif not task.cancelled():
+                    task.exception()  # retrieved: the death was reported when it happened
+                self._fail_pending(StorageError("ledger is closed"))
+        finally:
+            for conn in (self._reader, self._writer):
+                if conn is not None:
+                    with contextlib.suppress(sqlite3.Error, ValueError):
+                        await conn.close()
+            self._reader = self._writer = None
 
     async def write(self, fn: Callable[[aiosqlite.Connection], Awaitable[T]],
                     savepoint: bool = True) -> T:
@@ -165,8 +177,8 @@ class Database:
         The write is queued before this coroutine first suspends, so cancelling the caller
         does not tear it: it commits (or fails) with its batch all the same.
         """
-        if self._task is None:
-            raise StorageError("ledger is not open")
+        if self._task is None or self._closing:
+            raise StorageError("ledger is not open" if self._task is None else "ledger is closing")
         if self._writer_died is not None:
             raise StorageError(f"ledger writer stopped: {self._writer_died!r}")
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()

@@ -19,7 +19,7 @@ from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.partner import PartnerClient
 from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
-from supervisor.runs import RunOpener
+from supervisor.runs import Broadcast, RunOpener
 
 TOKEN = "trigger-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -45,8 +45,7 @@ class Api:
 
     async def notify_runs_changed(self) -> None:
         """What the monitor does after each pass."""
-        async with self.state.runs_changed:
-            self.state.runs_changed.notify_all()
+        self.state.runs_changed.notify()
 
 
 def load_config(tmp_path: Path, **env: str) -> Config:
@@ -67,7 +66,7 @@ async def running_api(cfg: Config) -> AsyncIterator[Api]:
     opener = RunOpener(cfg, ledger, scan_wakeup)
     reconciler = Reconciler(cfg.partner, ledger, queue, limiter, partner)
     state = ApiState(config=cfg, ledger=ledger, opener=opener, reconciler=reconciler,
-                     ready=lambda: (True, {"ledger": True}), runs_changed=asyncio.Condition(),
+                     ready=lambda: (True, {"ledger": True}), runs_changed=Broadcast(),
                      current_rate=lambda: limiter.snapshot().rate)
     client: TestClient[object, object] = TestClient(TestServer(create_app(state),
                                                                host="127.0.0.1", port=0))

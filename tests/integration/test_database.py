@@ -245,3 +245,23 @@ async def test_a_dead_writer_fails_its_callers_and_its_watch_restarts_it(
             await db.watch()
         await db.write(insert)
     assert await count(db, "messages") == 1
+
+
+async def test_close_after_the_writer_died_returns_and_later_writes_fail_at_once(
+        tmp_path: Path) -> None:
+    db = Database(tmp_path / "dead.sqlite3")
+    await db.open()
+
+    async def crash(conn: aiosqlite.Connection) -> None:
+        raise WriterBug("writer bug")
+
+    with pytest.raises(StorageError):
+        await db.write(crash)
+    async with asyncio.timeout(5):
+        await db.close()  # neither hangs on the dead writer nor re-raises its death
+    with pytest.raises(StorageError, match="not open"):
+        await db.write(crash)
+    # The file is intact and closed: a new open works on it.
+    again = Database(tmp_path / "dead.sqlite3")
+    await again.open()
+    await again.close()

@@ -17,7 +17,7 @@ import yaml
 
 from supervisor import config
 from supervisor.cli import parser
-from supervisor.service import FINAL_WRITE_S
+from supervisor.service import max_stop_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGING = ROOT / "packaging"
@@ -46,8 +46,8 @@ def _containerfile() -> list[tuple[str, str]]:
 
 
 def _drain_budget(grace: float) -> float:
-    # The drain: requests in the air get the grace, then two bounded final writes.
-    return grace + 2 * FINAL_WRITE_S
+    # The service's own bound on a stop (the grace, the final writes, the closing).
+    return max_stop_seconds(grace)
 
 
 def test_systemd_waits_longer_than_the_drain() -> None:

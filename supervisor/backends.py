@@ -151,6 +151,9 @@ async def _open_sqlite(c: Config) -> Backends:
         budget = LocalBudget(c.limits, key=c.partner.base_url, store=ledger,
                              timeout_s=c.partner.request_timeout_seconds)
         await budget.start()
+    except StorageError as exc:  # the ledger opened but its first reads or writes fail
+        await _close_all(closers)
+        raise StartupError(f"ledger {c.ledger_path} cannot be used: {exc}") from exc
     except BaseException:
         await _close_all(closers)
         raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Coroutine
@@ -102,7 +103,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     path = _config_path(args.config)
     # Without a file the arithmetic needs no secret: the defaults, not a validated load.
-    cfg = config.load(path) if path is not None else config.Config()
+    cfg = config.load(path, require_secrets=False) if path is not None else config.Config()
     pages = None
     if args.count_source:
         candidates, pages = run_async(plan.count_source(cfg))
@@ -143,8 +144,8 @@ def _positive_number(kind: type[int] | type[float]) -> Callable[[str], float]:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
         return value
 
     return parse

@@ -11,6 +11,7 @@ the builder's own list, one the partner never had or failed to delete is still s
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -18,8 +19,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from supervisor.errors import StorageError
 from supervisor.ledger.base import Ledger, Operation, Run
-from supervisor.states import OpState
+from supervisor.states import OpState, RunState
+
+log = logging.getLogger(__name__)
 
 # One reason per state: what the digest builder records against the recipient.
 REASONS: dict[OpState, str] = {
@@ -39,7 +43,8 @@ STREAM_PAGE = 1000
 
 
 def record(op: Operation) -> dict[str, Any]:
-    return {"recipient_id": op.recipient_id, "operation_id": op.id, "state": op.state.value,
+    return {"recipient_id": op.recipient_id, "operation_id": op.id, "run_id": op.run_id,
+            "state": op.state.value,
             "reason": REASONS[op.state], "detail": op.reason, "updated_at": op.updated_at}
 
 
@@ -52,16 +57,17 @@ def count_by_reason(counts: Mapping[OpState, int]) -> dict[str, int]:
     return out
 
 
-async def current_run(ledger: Ledger, schedule: str) -> Run | None:
-    """The newest run of ``schedule`` (runs of other schedules may be newer)."""
+async def current_runs(ledger: Ledger, schedule: str) -> list[Run]:
+    """The schedule's newest run and every older one still unfinished (with
+    ``schedule.overlap = "allow"`` several drain at once), oldest first."""
+    found: list[Run] = []
     before: str | None = None
     while True:
         runs = await ledger.list_runs(RUNS_PAGE, before)
-        for run in runs:
-            if run.schedule == schedule:
-                return run
+        found += [run for run in runs if run.schedule == schedule and
+                  (not found or run.state is not RunState.DONE)]
         if len(runs) < RUNS_PAGE:
-            return None
+            return found[::-1]
         before = runs[-1].id
 
 
@@ -73,22 +79,52 @@ def run_header(run: Run, cutoff_s: float | None) -> dict[str, Any]:
             "digest_cutoff": None if cutoff_s is None else start + cutoff_s}
 
 
-async def stream(request: web.Request, ledger: Ledger, run: Run,
+async def page(ledger: Ledger, runs: list[Run], after: Operation | None,
+               limit: int) -> tuple[list[Operation], str | None]:
+    """Up to ``limit`` exclusions after the operation ``after`` (whose run is in
+    ``runs``), run by run; and the cursor of the next page (None: this is the last)."""
+    start = 0 if after is None else [r.id for r in runs].index(after.run_id)
+    cursor = None if after is None else after.id
+    rows: list[Operation] = []
+    for run in runs[start:]:
+        rows += await ledger.list_operations(run.id, None, cursor, limit - len(rows))
+        if len(rows) == limit:
+            return rows, rows[-1].id
+        cursor = None
+    return rows, None
+
+
+async def stream(request: web.Request, ledger: Ledger, runs: list[Run],
                  cutoff_s: float | None) -> web.StreamResponse:
     """Every exclusion as one JSON line, read from the ledger a page at a time (a run of a
-    million recipients is never held in memory)."""
-    header = run_header(run, cutoff_s)
+    million recipients is never held in memory), then an end line with the count: a
+    client that does not see it has an incomplete list (the connection is cut on a fault,
+    never ended as if complete)."""
+    headers = [run_header(run, cutoff_s) for run in runs]
     response = web.StreamResponse(headers={
-        "Content-Type": JSONL, "Cleanup-Run-Id": run.id, "Cleanup-Run-State": header["state"],
-        "Cleanup-Run-Complete": "true" if header["complete"] else "false"})
+        "Content-Type": JSONL, "Cleanup-Run-Id": ", ".join(r.id for r in runs),
+        "Cleanup-Run-Complete": "true" if all(h["complete"] for h in headers) else "false"})
     await response.prepare(request)
-    after: str | None = None
-    while True:
-        page = await ledger.list_operations(run.id, None, after, STREAM_PAGE)
-        if page:
-            await response.write(b"".join(orjson.dumps(record(op)) + b"\n" for op in page))
-        if len(page) < STREAM_PAGE:
-            break
-        after = page[-1].id
-    await response.write_eof()
+    count = 0
+    try:
+        for run in runs:
+            after: str | None = None
+            while True:
+                ops = await ledger.list_operations(run.id, None, after, STREAM_PAGE)
+                if ops:
+                    await response.write(b"".join(orjson.dumps(record(op)) + b"\n" for op in ops))
+                    count += len(ops)
+                if len(ops) < STREAM_PAGE:
+                    break
+                after = ops[-1].id
+        await response.write(orjson.dumps({"end": True, "count": count, "runs": headers}) + b"\n")
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client left; nothing to tell it
+    except StorageError as exc:
+        # The status line is sent: cut the connection, so the list cannot pass for whole.
+        log.error("exclusions stream cut after %d lines: %s", count, exc,
+                  extra={"action": "exclusions_cut"})
+        if request.transport is not None:
+            request.transport.close()
     return response

@@ -49,6 +49,9 @@ class ApiState:
     ready: Callable[[], tuple[bool, dict[str, bool]]]
     runs_changed: Broadcast
     current_rate: Callable[[], float]
+    # When n more requests will have been sent (the budget's view: rate, a pause in force,
+    # quotas); None: n / current_rate.
+    projected_finish: Callable[[int, float], float] | None = None
     accepting: bool = True
     # Push delivery (POST /v1/push/{queue}); None: not configured, the route answers 404.
     push: PushReceiver | None = None
@@ -97,22 +100,28 @@ async def error_middleware(request: web.Request,
         return _error(500, "internal error; see the service log")
 
 
-def _authorize(request: web.Request) -> None:
-    token = request.app[API].config.trigger.token
+def _authorize(request: web.Request, read_only: bool = False) -> None:
+    """The trigger token; with ``read_only`` also the status page's read-only token (a
+    digest builder or a dashboard needs to read, never to trigger or resolve)."""
+    config = request.app[API].config
+    token, viewer = config.trigger.token, config.status.token
     header = request.headers.get("Authorization", "")
     scheme, _, supplied = header.partition(" ")
-    # Compare in constant time, and compare even when the header is malformed so the
-    # timing does not reveal which check failed.
-    expected = token.reveal().encode() if token else b"\x00"
+    # Compare in constant time, against both tokens every time, and even when the header
+    # is malformed, so the timing reveals neither which check failed nor which token.
     # surrogateescape: header bytes that are not UTF-8 arrive as lone surrogates, and a
     # wrong token must be a 401, not an encoding error.
-    ok = hmac.compare_digest(supplied.strip().encode("utf-8", "surrogateescape"), expected)
-    if token is None or scheme.lower() != "bearer" or not ok:
+    given = supplied.strip().encode("utf-8", "surrogateescape")
+    ok = hmac.compare_digest(given, token.reveal().encode() if token else b"\x00")
+    ok_viewer = hmac.compare_digest(given, viewer.reveal().encode() if viewer else b"\x00")
+    allowed = (token is not None and ok) or (read_only and viewer is not None and ok_viewer)
+    if scheme.lower() != "bearer" or not allowed:
         raise ApiError(401, "missing or wrong bearer token")
 
 
 def run_view(run: Run, counts: dict[OpState, int] | None = None,
-             rate: float | None = None) -> dict[str, Any]:
+             rate: float | None = None,
+             projected_finish: Callable[[int, float], float] | None = None) -> dict[str, Any]:
     view: dict[str, Any] = {
         "id": run.id, "state": run.state.value, "tick_key": run.tick_key,
         "schedule": run.schedule, "scheduled_for": run.scheduled_for,
@@ -127,8 +136,11 @@ def run_view(run: Run, counts: dict[OpState, int] | None = None,
         view["counts"] = {s.value: counts.get(s, 0) for s in OpState}
         unfinished = sum(n for s, n in counts.items() if s not in SETTLED)
         view["unfinished"] = unfinished
-        if rate and run.state is not RunState.DONE:
-            view["projected_finish"] = time.time() + unfinished / rate
+        if run.state is not RunState.DONE and unfinished:
+            if projected_finish is not None:
+                view["projected_finish"] = projected_finish(unfinished, time.time())
+            elif rate:
+                view["projected_finish"] = time.time() + unfinished / rate
     return view
 
 
@@ -239,7 +251,7 @@ def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) 
 
 
 async def list_runs(request: web.Request) -> web.Response:
-    _authorize(request)
+    _authorize(request, read_only=True)
     api = request.app[API]
     limit = _int_param(request, "limit", 20, 1, 200)
     runs = await api.ledger.list_runs(limit, request.query.get("before"))
@@ -251,7 +263,7 @@ def _done(run: Run) -> bool:
 
 
 async def get_run(request: web.Request) -> web.Response:
-    _authorize(request)
+    _authorize(request, read_only=True)
     api = request.app[API]
     run_id = request.match_info["run_id"]
     wait = request.query.get("wait")
@@ -279,11 +291,11 @@ async def get_run(request: web.Request) -> web.Response:
                 async with asyncio.timeout(remaining):
                     await changed.wait()
     counts = await api.ledger.run_counts(run_id)
-    return _json(run_view(run, counts, api.current_rate()))
+    return _json(run_view(run, counts, api.current_rate(), api.projected_finish))
 
 
 async def list_operations(request: web.Request) -> web.Response:
-    _authorize(request)
+    _authorize(request, read_only=True)
     api = request.app[API]
     run_id = request.match_info["run_id"]
     if await api.ledger.get_run(run_id) is None:
@@ -297,7 +309,7 @@ async def list_operations(request: web.Request) -> web.Response:
 
 
 async def get_operation(request: web.Request) -> web.Response:
-    _authorize(request)
+    _authorize(request, read_only=True)
     api = request.app[API]
     op_id = request.match_info["operation_id"]
     op = await api.ledger.get_operation(op_id)
@@ -324,7 +336,7 @@ def _state_param(request: web.Request) -> OpState | None:
 
 async def list_all_operations(request: web.Request) -> web.Response:
     """Operations in one state across every run (e.g. ``?state=ambiguous``)."""
-    _authorize(request)
+    _authorize(request, read_only=True)
     state = _state_param(request)
     if state is None:
         raise ApiError(400, "state is required")
@@ -376,10 +388,10 @@ async def resolve_operation(request: web.Request) -> web.Response:
 
 
 async def get_exclusions(request: web.Request) -> web.StreamResponse:
-    """The digest rule: every recipient of a schedule's current run, with its reason.
+    """The digest rule: every recipient of a schedule's current runs, with its reason.
     Paged as JSON (``limit``, ``after``), or every one streamed as JSON lines
     (``format=jsonl`` or ``Accept: application/x-ndjson``)."""
-    _authorize(request)
+    _authorize(request, read_only=True)
     api = request.app[API]
     schedule = request.query.get("schedule", api.config.schedule.name)
     if not exclusions.SCHEDULE.fullmatch(schedule):
@@ -387,20 +399,31 @@ async def get_exclusions(request: web.Request) -> web.StreamResponse:
     fmt = request.query.get("format")
     if fmt not in (None, "json", "jsonl"):
         raise ApiError(400, "format must be 'json' or 'jsonl'")
-    jsonl = fmt == "jsonl" or (fmt is None and exclusions.JSONL in request.headers.get(
-        "Accept", ""))
+    accept = {part.split(";")[0].strip() for part in request.headers.get("Accept", "").split(",")}
+    jsonl = fmt == "jsonl" or (fmt is None and exclusions.JSONL in accept)
     limit = _int_param(request, "limit", 1000, 1, MAX_PAGE)
-    after = _cursor_param(request)
-    run = await exclusions.current_run(api.ledger, schedule)
-    if run is None:
+    after_id = _cursor_param(request)
+    if jsonl and after_id is not None:
+        raise ApiError(400, "after pages the JSON form; the JSON lines stream is whole")
+    runs = await exclusions.current_runs(api.ledger, schedule)
+    if not runs:
         raise ApiError(404, f"no run of schedule {schedule!r}")
     cutoff = api.config.schedule.digest_cutoff_seconds
     if jsonl:
-        return await exclusions.stream(request, api.ledger, run, cutoff)
-    rows = await api.ledger.list_operations(run.id, None, after, limit)
-    return _json({"schedule": schedule, "run": exclusions.run_header(run, cutoff),
+        return await exclusions.stream(request, api.ledger, runs, cutoff)
+    after = None
+    if after_id is not None:
+        after = await api.ledger.get_operation(after_id)
+        if after is None or after.run_id not in {r.id for r in runs}:
+            # A new run opened (or an older one finished) since the first page: the
+            # cursor would mix two lists.
+            raise ApiError(409, "the schedule's current runs changed since the first page; "
+                                "start again without after")
+    rows, next_after = await exclusions.page(api.ledger, runs, after, limit)
+    return _json({"schedule": schedule,
+                  "runs": [exclusions.run_header(run, cutoff) for run in runs],
                   "exclusions": [exclusions.record(op) for op in rows],
-                  "next_after": rows[-1].id if len(rows) == limit else None})
+                  "next_after": next_after})
 
 
 async def post_push(request: web.Request) -> web.Response:

@@ -113,12 +113,13 @@ DOCUMENT: dict[str, Any] = {
                      "schema": {"type": "string", "enum": ["json", "jsonl"]}},
                     *_PAGE_PARAMS],
                 "responses": {
-                    "200": {"description": "a page of exclusions, or every one as JSON lines",
+                    "200": {"description": "a page of exclusions, or every one as JSON lines "
+                                           "ending with {\"end\": true, \"count\": n}",
                             "content": {
                                 "application/json": {"schema": {
                                     "$ref": "#/components/schemas/ExclusionPage"}},
                                 "application/x-ndjson": {"schema": {"type": "string"}}}},
-                    **_errors(400, 401, 404)},
+                    **_errors(400, 401, 404, 409)},
             },
         },
         "/v1/operations": {
@@ -248,25 +249,27 @@ DOCUMENT: dict[str, Any] = {
             },
             "Exclusion": {
                 "type": "object",
-                "required": ["recipient_id", "operation_id", "state", "reason"],
+                "required": ["recipient_id", "operation_id", "run_id", "state", "reason"],
                 "properties": {
                     "recipient_id": {"type": "string"}, "operation_id": {"type": "string"},
+                    "run_id": {"type": "string"},
                     "state": _STATE,
                     "reason": {"type": "string", "enum": sorted(set(REASONS.values()))},
                     "detail": _STR_OR_NULL, "updated_at": {"type": "number"},
                 },
             },
             "ExclusionPage": {
-                "type": "object", "required": ["schedule", "run", "exclusions", "next_after"],
+                "type": "object", "required": ["schedule", "runs", "exclusions", "next_after"],
                 "properties": {
                     "schedule": {"type": "string"},
-                    "run": {"type": "object", "required": ["id", "state", "complete"],
-                            "properties": {"id": {"type": "string"},
-                                           "state": {"type": "string",
-                                                     "enum": [s.value for s in RunState]},
-                                           "scheduled_for": _NUM_OR_NULL,
-                                           "complete": {"type": "boolean"},
-                                           "digest_cutoff": _NUM_OR_NULL}},
+                    "runs": {"type": "array", "items": {
+                        "type": "object", "required": ["id", "state", "complete"],
+                        "properties": {"id": {"type": "string"},
+                                       "state": {"type": "string",
+                                                 "enum": [s.value for s in RunState]},
+                                       "scheduled_for": _NUM_OR_NULL,
+                                       "complete": {"type": "boolean"},
+                                       "digest_cutoff": _NUM_OR_NULL}}},
                     "exclusions": {"type": "array",
                                    "items": {"$ref": "#/components/schemas/Exclusion"}},
                     "next_after": {"type": ["string", "null"]},

@@ -102,7 +102,10 @@ def duration(seconds: float) -> str:
 
 
 def _when(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):  # a drain of centuries: no calendar date
+        return "beyond any date"
 
 
 def render(plan: Plan) -> str:

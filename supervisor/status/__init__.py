@@ -47,7 +47,8 @@ def add_status_routes(app: web.Application, state: ApiState) -> None:
         api=state, config=config, sessions=Sessions(config.session_seconds),
         throttle=LoginThrottle(config.login_failures_per_minute),
         data=StatusData(state.ledger, state.current_rate,
-                        state.config.schedule.digest_cutoff_seconds, history),
+                        state.config.schedule.digest_cutoff_seconds, history,
+                        projected_finish=state.projected_finish),
         history=history, static=load_static())
     app.router.add_get("/", index)
     app.router.add_get("/login", login_form)

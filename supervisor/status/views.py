@@ -51,7 +51,8 @@ def count_text(n: int) -> str:
 
 
 def summarize(run: Run, counts: dict[OpState, int], rate: float, now: float,
-              cutoff_s: float | None) -> dict[str, Any]:
+              cutoff_s: float | None,
+              projected_finish: Callable[[int, float], float] | None = None) -> dict[str, Any]:
     """A run as the page shows it: raw figures, and ``fields`` (display strings by the
     name of the element that shows them) with ``verdict`` (ok, late or none)."""
     by_outcome = {o: counts.get(OpState(o), 0) for o in OUTCOMES}
@@ -59,7 +60,11 @@ def summarize(run: Run, counts: dict[OpState, int], rate: float, now: float,
     unfinished = sum(n for s, n in counts.items() if s not in SETTLED)
     done = run.state is RunState.DONE
     projected = None
-    if not done and unfinished and rate > 0:
+    # The budget's projection (a pause in force, a spent quota) where there is one: the
+    # same figure as the API, the gauge and CleanupDrainMissesDigestCutoff.
+    if not done and unfinished and projected_finish is not None:
+        projected = projected_finish(unfinished, now)
+    elif not done and unfinished and rate > 0:
         projected = now + unfinished / rate
     slot = run.scheduled_for if run.scheduled_for is not None else run.created_at
     cutoff = None if cutoff_s is None else slot + cutoff_s
@@ -119,9 +124,11 @@ class StatusData:
     """The snapshot the page shows, recomputed at most every :data:`FRESH_S`."""
 
     def __init__(self, ledger: Ledger, rate: Callable[[], float], cutoff_s: float | None,
-                 history: History | None, clock: Callable[[], float] = time.time) -> None:
+                 history: History | None, clock: Callable[[], float] = time.time,
+                 projected_finish: Callable[[int, float], float] | None = None) -> None:
         self.ledger = ledger
         self.rate = rate
+        self.projected_finish = projected_finish
         self.cutoff_s = cutoff_s
         self.history = history
         self.clock = clock
@@ -163,7 +170,8 @@ class StatusData:
         for r in runs:
             counts = (dict(stats.current_run_by_state) if stats.current_run is not None
                       and stats.current_run.id == r.id else await self._counts(r))
-            summaries.append(summarize(r, counts, rate, now, self.cutoff_s))
+            summaries.append(summarize(r, counts, rate, now, self.cutoff_s,
+                                       self.projected_finish))
         keep = {r.id for r in runs}
         self._done_counts = {k: v for k, v in self._done_counts.items() if k in keep}
         current = summaries[0] if summaries else None

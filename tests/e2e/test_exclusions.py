@@ -3,6 +3,9 @@ recipient of it with an explicit reason, paged or as JSON lines, and a gauge cou
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import orjson
 import pytest
 
@@ -12,23 +15,44 @@ from supervisor.states import OpState
 pytestmark = pytest.mark.e2e
 
 POPULATION = 600
+VIEWER_TOKEN = "read-only-" + "v" * 24
 
 
 def test_every_state_has_a_reason() -> None:
     assert set(REASONS) == set(OpState)
 
 
-async def _paged(svc, schedule: str, limit: int) -> tuple[dict, list[dict]]:
+async def _paged(svc, schedule: str, limit: int, headers: dict | None = None,
+                 ) -> tuple[list[dict], list[dict]]:
     out: list[dict] = []
     after = ""
     while True:
         status, doc = await svc.request(
-            "GET", f"/v1/exclusions?schedule={schedule}&limit={limit}&after={after}")
+            "GET", f"/v1/exclusions?schedule={schedule}&limit={limit}&after={after}",
+            **({"headers": headers, "auth": False} if headers else {}))
         assert status == 200, doc
         out += doc["exclusions"]
         if doc["next_after"] is None:
-            return doc["run"], out
+            return doc["runs"], out
         after = doc["next_after"]
+
+
+async def _scanned(svc, run_id: str) -> None:
+    """Once the run's scan has recorded every page (the scan is the service's own task:
+    nothing to await from outside but the run's state)."""
+    deadline = time.monotonic() + 10
+    while (await svc.run(run_id))["scan_finished_at"] is None:
+        assert time.monotonic() < deadline, "the scan did not finish"
+        await asyncio.sleep(0.05)
+
+
+async def _stream(e2e, svc, path: str, token: str) -> tuple[dict, list[dict], dict]:
+    async with e2e.http.get(f"{svc.url}{path}", headers={
+            "Authorization": f"Bearer {token}", "Accept": "application/x-ndjson"}) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("application/x-ndjson")
+        lines = [orjson.loads(line) for line in (await resp.read()).splitlines()]
+        return dict(resp.headers), lines[:-1], lines[-1]
 
 
 async def test_exclusions_cover_every_recipient_of_the_run_while_it_drains(e2e):
@@ -37,6 +61,7 @@ async def test_exclusions_cover_every_recipient_of_the_run_while_it_drains(e2e):
     sandbox = await e2e.sandbox("--recipients", POPULATION, "--rate", 60, "--absent-share", 0.1)
     svc = e2e.service(sandbox, {"limits": {"rate_per_second": 60.0},
                                 "schedule": {"name": "weekly", "digest_cutoff_seconds": 3600}})
+    svc.env["CLEANUP_STATUS_TOKEN"] = VIEWER_TOKEN
     await svc.start()
     run_id = await svc.open_run()
     await sandbox.wait(executions=150)
@@ -44,34 +69,42 @@ async def test_exclusions_cover_every_recipient_of_the_run_while_it_drains(e2e):
     assert status == 200, run
     assert run["scan"]["pages"] > 0
 
-    header, paged = await _paged(svc, "weekly", limit=250)
+    # The digest builder holds the read-only token: it may read, never trigger or resolve.
+    viewer = {"Authorization": f"Bearer {VIEWER_TOKEN}"}
+    runs, paged = await _paged(svc, "weekly", limit=250, headers=viewer)
+    [header] = runs
     assert header["id"] == run_id
     assert header["complete"] is True  # 600 IDs in two source pages: scanned by now
     assert header["digest_cutoff"] == pytest.approx(run["created_at"] + 3600, abs=1)
     ids = [e["recipient_id"] for e in paged]
     assert len(ids) == len(set(ids)) == POPULATION  # every recipient once, none missing
     assert all(e["reason"] == REASONS[OpState(e["state"])] for e in paged)
+    assert {e["run_id"] for e in paged} == {run_id}
     reasons = {e["reason"] for e in paged}
     assert {"deletion_pending", "deleted", "absent_at_partner"} <= reasons, reasons
     # Deleted ones are what the partner executed: the digest may trust the reason.
     log = {e["recipient_id"] for e in await sandbox.log()}
     assert {e["recipient_id"] for e in paged if e["reason"] == "deleted"} <= log
+    status, doc = await svc.request("POST", "/v1/runs", auth=False, headers=viewer, json={})
+    assert status == 401, doc
 
-    # The same set streamed as JSON lines, asked for by Accept or by format.
-    async with e2e.http.get(f"{svc.url}/v1/exclusions?schedule=weekly", headers={
-            "Authorization": f"Bearer {e2e.trigger_token}",
-            "Accept": "application/x-ndjson"}) as resp:
-        assert resp.status == 200
-        assert resp.headers["Content-Type"].startswith("application/x-ndjson")
-        assert resp.headers["Cleanup-Run-Id"] == run_id
-        lines = [orjson.loads(line) for line in (await resp.read()).splitlines()]
+    # The same set streamed as JSON lines, ending with a line that says it is whole.
+    headers, lines, end = await _stream(e2e, svc, "/v1/exclusions?schedule=weekly",
+                                        VIEWER_TOKEN)
+    assert headers["Cleanup-Run-Id"] == run_id
     assert {e["recipient_id"] for e in lines} == set(ids)
-    assert len(lines) == POPULATION
-
+    assert end["end"] is True
+    assert end["count"] == len(lines) == POPULATION
     # The gauge counts them by reason: all of them, once the monitor has refreshed.
     done = await svc.wait_done(run_id)
-    metrics = await svc.metrics()
-    gauge = {r: metrics.get("cleanup_digest_exclusions", reason=r) for r in set(REASONS.values())}
+    deadline = time.monotonic() + 5
+    while True:  # the monitor refreshes the gauge each second: nothing to await
+        metrics = await svc.metrics()
+        gauge = {r: metrics.get("cleanup_digest_exclusions", reason=r)
+                 for r in set(REASONS.values())}
+        if gauge["deleted"] == done["counts"]["deleted"] or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
     assert sum(gauge.values()) == POPULATION, gauge
     assert gauge["deleted"] == done["counts"]["deleted"], (gauge, done["counts"])
     assert gauge["absent_at_partner"] == done["counts"]["already_absent"]
@@ -92,3 +125,36 @@ async def test_exclusions_refuse_bad_input_clearly(e2e):
     status, doc = await svc.request("GET", "/v1/exclusions?after=%00")
     assert status == 400, doc
     assert "after" in doc["error"]
+
+
+async def test_runs_draining_together_are_all_excluded_and_a_foreign_cursor_is_a_409(e2e):
+    # overlap = "allow": a second run of the schedule opens while the first still drains
+    # (the partner does not answer, so neither finishes); both lists are the exclusions.
+    svc = e2e.service(None, {"source": {"kind": "inline"}, "schedule": {"overlap": "allow"},
+                             "partner": {"base_url": "http://127.0.0.1:9"}})
+    await svc.start()
+    first = await svc.open_run(recipient_ids=[f"a-{i}" for i in range(30)])
+    await _scanned(svc, first)
+    status, doc = await svc.request("GET", "/v1/exclusions?schedule=e2e&limit=10")
+    assert status == 200, doc
+    assert [r["id"] for r in doc["runs"]] == [first]
+    seen = [e["recipient_id"] for e in doc["exclusions"]]
+    cursor = doc["next_after"]
+    second = await svc.open_run(scheduled_for="2026-12-07T02:00:00+00:00",
+                                recipient_ids=[f"b-{i}" for i in range(5)])
+    await _scanned(svc, second)
+    while cursor is not None:  # the same cursor goes on, through both runs in turn
+        status, doc = await svc.request(
+            "GET", f"/v1/exclusions?schedule=e2e&limit=10&after={cursor}")
+        assert status == 200, doc
+        assert [r["id"] for r in doc["runs"]] == [first, second]
+        seen += [e["recipient_id"] for e in doc["exclusions"]]
+        cursor = doc["next_after"]
+    assert sorted(seen) == sorted([f"a-{i}" for i in range(30)] + [f"b-{i}" for i in range(5)])
+    # A cursor from another schedule's run does not belong to this list.
+    other = await svc.open_run(schedule="other", recipient_ids=["c-1"])
+    await _scanned(svc, other)
+    [op] = await svc.operations(other)
+    status, doc = await svc.request("GET", f"/v1/exclusions?schedule=e2e&after={op['id']}")
+    assert status == 409, doc
+    assert "start again" in doc["error"]

@@ -47,7 +47,7 @@ async def test_plan_refuses_bad_input_naming_it(e2e, tmp_path):
     assert "--candidates" in err
     code, _, err = await e2e.cli("plan", "--candidates", "-5")
     assert code == 2
-    assert "must be > 0" in err
+    assert "must be a finite number > 0" in err
     code, _, err = await e2e.cli("plan", "--candidates", "10", "--start", "2026-12-07T02:00")
     assert code == 2
     assert "UTC offset" in err
@@ -64,3 +64,20 @@ async def test_plan_refuses_bad_input_naming_it(e2e, tmp_path):
     assert code != 0
     assert "candidate source unreachable" in err
     assert "Traceback" not in err
+
+
+async def test_plan_reads_a_config_without_its_secrets(e2e, tmp_path):
+    # Arithmetic needs no token: a configuration whose secrets are not set still plans.
+    cfg = tmp_path / "prod.toml"
+    cfg.write_text(toml_text({"limits": {"rate_per_second": 20.0},
+                              "schedule": {"digest_cutoff_seconds": 21600}}))
+    env = {k: v for k, v in e2e.env.items() if not k.endswith("_TOKEN")}
+    code, out, err = await e2e.cli("plan", "--config", str(cfg), "--candidates", "18400",
+                                   "--json", env=env)
+    assert code == 0, err
+    doc = orjson.loads(out)
+    assert (doc["rate"], doc["cutoff_s"], doc["fits_digest_cutoff"]) == (20.0, 21600, True)
+    # serve still refuses the same file without the trigger token.
+    code, _, err = await e2e.cli("check-config", str(cfg), env=env)
+    assert code == 2
+    assert "trigger.token_env" in err

@@ -7,12 +7,11 @@ storm in its middle: while it lasts nothing settles, the moment at which a gauge
 held to the API's count exactly.
 
 Then, through PromQL, the article's four numbers against the partner's own record and the
-API; no alert fires during the healthy run, none is even pending but the one about pauses
-(every 429 pauses the workers), and every other rule's expression (its `for:` aside)
-selects nothing, mid-run and at the end; every query of the Grafana dashboard returns data
-over the run. Once on SQLite (the default shape) and once on the PostgreSQL ledger and
-queue (one replica: the dashboard's live-replica count needs that backend). The measured
-numbers are printed (`pytest -s`).
+API; no alert fires during the healthy run, none is even pending, and every rule's
+expression (its `for:` aside) selects nothing, mid-run and at the end; every query of
+the Grafana dashboard returns data over the run. Once on SQLite (the default shape) and
+once on the PostgreSQL ledger and queue (one replica: the dashboard's live-replica count
+needs that backend). The measured numbers are printed (`pytest -s`).
 """
 
 from __future__ import annotations
@@ -58,10 +57,6 @@ SETTLE_S = 2 * REFRESH_S
 # can come before the first scrape, a scrape before the service listens, and cleanup_ready
 # is 0 until the monitor's first pass.
 BEFORE_THE_FIRST_SCRAPE = {"CleanupTargetAbsent", "CleanupTargetDown", "CleanupNotReady"}
-# The one rule whose condition (its `for:` aside) holds in a healthy run with 429s: every
-# 429 pauses the workers (its Retry-After, or the limiter's own backoff), and the
-# condition is a pause now or in the last 2 minutes; it alerts after 15 minutes of them.
-# It may be pending, never firing, and what it selects must be the run's own pauses.
 OF_JOB = f'job="{JOB}"'
 TERMINAL_STATES = {s.value for s in TERMINAL}
 

@@ -194,6 +194,23 @@ def test_a_done_run_is_judged_by_when_it_finished() -> None:
     assert s["fields"]["ambiguous"] == "5"
 
 
+def test_the_budgets_projection_wins_over_the_bare_rate() -> None:
+    # A spent quota resetting at t = 500: at 2/s the 60 left would end at 130, but the
+    # budget says 530, after the cutoff; the page must say so, as the alert does.
+    counts = {OpState.DELETED: 40, OpState.QUEUED: 60}
+    asked: list[tuple[int, float]] = []
+
+    def budget_projection(n: int, now: float) -> float:
+        asked.append((n, now))
+        return 500.0 + n / 2.0
+
+    s = summarize(run(RunState.DRAINING), counts, rate=2.0, now=100.0, cutoff_s=200.0,
+                  projected_finish=budget_projection)
+    assert asked == [(60, 100.0)]
+    assert s["projected_finish"] == 530.0
+    assert s["verdict"] == "late"
+
+
 def test_without_a_cutoff_or_a_rate_there_is_no_verdict() -> None:
     counts = {OpState.QUEUED: 100}
     assert summarize(run(RunState.DRAINING), counts, 2.0, 0.0, None)["verdict"] == "none"

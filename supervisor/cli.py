@@ -130,7 +130,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         start_ts = plan.start_time(cfg, datetime.now(UTC))
     result = plan.Plan(candidates=candidates, rate=rate, cron_ceiling_s=args.cron_ceiling,
-                       limit=args.limit, start=start_ts, cutoff_s=cutoff, counted_pages=pages)
+                       limit=args.limit, start=start_ts, cutoff_s=cutoff, counted_pages=pages,
+                       quotas=tuple((q.name, q.limit, q.period_seconds)
+                                    for q in cfg.limits.quotas))
     if args.json:
         print(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2).decode())
     else:

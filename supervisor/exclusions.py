@@ -95,28 +95,30 @@ async def page(ledger: Ledger, runs: list[Run], after: Operation | None,
 
 
 async def stream(request: web.Request, ledger: Ledger, runs: list[Run],
-                 cutoff_s: float | None) -> web.StreamResponse:
+                 cutoff_s: float | None, after: Operation | None = None) -> web.StreamResponse:
     """Every exclusion as one JSON line, read from the ledger a page at a time (a run of a
     million recipients is never held in memory), then an end line with the count: a
     client that does not see it has an incomplete list (the connection is cut on a fault,
-    never ended as if complete)."""
+    never ended as if complete), and may resume after the last line it has (``after``)."""
     headers = [run_header(run, cutoff_s) for run in runs]
     response = web.StreamResponse(headers={
         "Content-Type": JSONL, "Cleanup-Run-Id": ", ".join(r.id for r in runs),
         "Cleanup-Run-Complete": "true" if all(h["complete"] for h in headers) else "false"})
     await response.prepare(request)
     count = 0
+    start = 0 if after is None else [r.id for r in runs].index(after.run_id)
+    cursor = None if after is None else after.id
     try:
-        for run in runs:
-            after: str | None = None
+        for run in runs[start:]:
             while True:
-                ops = await ledger.list_operations(run.id, None, after, STREAM_PAGE)
+                ops = await ledger.list_operations(run.id, None, cursor, STREAM_PAGE)
                 if ops:
                     await response.write(b"".join(orjson.dumps(record(op)) + b"\n" for op in ops))
                     count += len(ops)
                 if len(ops) < STREAM_PAGE:
                     break
-                after = ops[-1].id
+                cursor = ops[-1].id
+            cursor = None
         await response.write(orjson.dumps({"end": True, "count": count, "runs": headers}) + b"\n")
         await response.write_eof()
     except ConnectionResetError:

@@ -403,14 +403,10 @@ async def get_exclusions(request: web.Request) -> web.StreamResponse:
     jsonl = fmt == "jsonl" or (fmt is None and exclusions.JSONL in accept)
     limit = _int_param(request, "limit", 1000, 1, MAX_PAGE)
     after_id = _cursor_param(request)
-    if jsonl and after_id is not None:
-        raise ApiError(400, "after pages the JSON form; the JSON lines stream is whole")
     runs = await exclusions.current_runs(api.ledger, schedule)
     if not runs:
         raise ApiError(404, f"no run of schedule {schedule!r}")
     cutoff = api.config.schedule.digest_cutoff_seconds
-    if jsonl:
-        return await exclusions.stream(request, api.ledger, runs, cutoff)
     after = None
     if after_id is not None:
         after = await api.ledger.get_operation(after_id)
@@ -419,6 +415,8 @@ async def get_exclusions(request: web.Request) -> web.StreamResponse:
             # cursor would mix two lists.
             raise ApiError(409, "the schedule's current runs changed since the first page; "
                                 "start again without after")
+    if jsonl:  # ``after``: resume a stream that was cut, after its last line
+        return await exclusions.stream(request, api.ledger, runs, cutoff, after)
     rows, next_after = await exclusions.page(api.ledger, runs, after, limit)
     return _json({"schedule": schedule,
                   "runs": [exclusions.run_header(run, cutoff) for run in runs],

@@ -11,6 +11,7 @@ end before the digest's cutoff.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -58,14 +59,26 @@ class Plan:
     start: float  # Unix time the run opens
     cutoff_s: float | None  # digest cutoff, seconds after the start
     counted_pages: int | None = None  # when N was counted from the source
+    # Quotas longer than a second ([[limits.quota]]): (name, limit, period in seconds).
+    quotas: tuple[tuple[str, int, float], ...] = ()
 
     @property
     def ideal_s(self) -> float:
         return self.candidates / self.rate
 
+    def quota_s(self, limit: int, period_s: float) -> float:
+        """The least time ``limit`` requests per ``period_s`` allow N in: every full
+        allowance but the last waits out a period."""
+        return (math.ceil(self.candidates / limit) - 1) * period_s
+
+    @property
+    def least_s(self) -> float:
+        """The least any tool can take: N / R, or longer when a quota allows less."""
+        return max([self.ideal_s, *(self.quota_s(n, p) for _, n, p in self.quotas)])
+
     @property
     def cron_fits(self) -> bool:
-        return self.ideal_s <= self.cron_ceiling_s * CRON_MARGIN
+        return self.least_s <= self.cron_ceiling_s * CRON_MARGIN
 
     @property
     def overhead(self) -> Overhead:
@@ -73,7 +86,9 @@ class Plan:
 
     @property
     def drain_s(self) -> tuple[float, float]:
-        return self.ideal_s * self.overhead.typical, self.ideal_s * self.overhead.worst
+        quota = max([0.0, *(self.quota_s(n, p) for _, n, p in self.quotas)])
+        return (max(self.ideal_s * self.overhead.typical, quota),
+                max(self.ideal_s * self.overhead.worst, quota))
 
     @property
     def cutoff(self) -> float | None:
@@ -87,6 +102,7 @@ class Plan:
     def as_dict(self) -> dict[str, Any]:
         typical, worst = self.drain_s
         return {**dataclasses.asdict(self), "ideal_seconds": self.ideal_s,
+                "least_seconds": self.least_s,
                 "cron_alone_fits": self.cron_fits, "overhead": dataclasses.asdict(self.overhead),
                 "drain_seconds": {"typical": typical, "worst": worst},
                 "finish": {"typical": self.start + typical, "worst": self.start + worst},
@@ -118,16 +134,19 @@ def render(plan: Plan) -> str:
         f"N / R            = {duration(p.ideal_s)} ({p.ideal_s:,.0f} s): the least any tool "
         "can take",
     ]
-    share = p.ideal_s / p.cron_ceiling_s
+    for name, limit, period in p.quotas:
+        lines.append(f"quota {name or 'unnamed':<10} {limit:,} per {duration(period)}: N needs at "
+                     f"least {duration(p.quota_s(limit, period))}")
+    share = p.least_s / p.cron_ceiling_s
     if p.cron_fits:
-        lines.append(f"cron alone       fits: N / R is {share:.0%} of the {duration(p.cron_ceiling_s)} "
-                     "ceiling, with room for retries and 429 pauses")
+        lines.append(f"cron alone       fits: the least is {share:.0%} of the "
+                     f"{duration(p.cron_ceiling_s)} ceiling, with room for retries and 429 pauses")
     elif share <= 1:
-        lines.append(f"cron alone       too tight: N / R is {share:.0%} of the "
+        lines.append(f"cron alone       too tight: the least is {share:.0%} of the "
                      f"{duration(p.cron_ceiling_s)} ceiling; one slow page or 429 pause and the "
                      "invocation is killed mid-drain")
     else:
-        lines.append(f"cron alone       does not fit: N / R is {share:.0%} of the "
+        lines.append(f"cron alone       does not fit: the least is {share:.0%} of the "
                      f"{duration(p.cron_ceiling_s)} ceiling, even at the partner's full rate")
     lines += [
         f"drain here       {duration(typical)} typical (x{p.overhead.typical:.3f}), "

@@ -95,6 +95,12 @@ async def test_exclusions_cover_every_recipient_of_the_run_while_it_drains(e2e):
     assert {e["recipient_id"] for e in lines} == set(ids)
     assert end["end"] is True
     assert end["count"] == len(lines) == POPULATION
+    # A stream cut after some lines resumes after the last one it has.
+    cut = lines[249]["operation_id"]
+    _, rest, rest_end = await _stream(
+        e2e, svc, f"/v1/exclusions?schedule=weekly&format=jsonl&after={cut}", VIEWER_TOKEN)
+    assert [e["recipient_id"] for e in rest] == [e["recipient_id"] for e in lines[250:]]
+    assert rest_end["count"] == POPULATION - 250
     # The gauge counts them by reason: all of them, once the monitor has refreshed.
     done = await svc.wait_done(run_id)
     deadline = time.monotonic() + 5

@@ -58,3 +58,20 @@ def test_durations_read_like_a_person_wrote_them() -> None:
     assert duration(3600) == "1 h"
     assert duration(0.4) == "0 s"
     assert duration(3725) == "1 h 2 min 5 s"
+
+
+def test_a_quota_smaller_than_n_sets_the_least_time() -> None:
+    # 18,400 at 20/s is 920 s, but a daily quota of 10,000 makes it a day and a bit.
+    p = Plan(candidates=18_400, rate=20, cron_ceiling_s=900, limit="known", start=START,
+             cutoff_s=6 * 3600, quotas=(("day", 10_000, 86_400.0),))
+    assert p.quota_s(10_000, 86_400) == 86_400
+    assert p.least_s == 86_400
+    assert p.drain_s == (86_400, 86_400)  # the quota, not the rate, is the bound
+    assert p.fits_cutoff is False
+    text = render(p)
+    assert "quota day" in text
+    assert "10,000 per 24 h: N needs at least 24 h" in text
+    # A quota N fits inside changes nothing.
+    roomy = Plan(candidates=18_400, rate=20, cron_ceiling_s=900, limit="known", start=START,
+                 cutoff_s=None, quotas=(("day", 100_000, 86_400.0),))
+    assert roomy.least_s == roomy.ideal_s == 920

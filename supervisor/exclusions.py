@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import orjson
@@ -79,18 +79,32 @@ def run_header(run: Run, cutoff_s: float | None) -> dict[str, Any]:
             "digest_cutoff": None if cutoff_s is None else start + cutoff_s}
 
 
-async def page(ledger: Ledger, runs: list[Run], after: Operation | None,
-               limit: int) -> tuple[list[Operation], str | None]:
-    """Up to ``limit`` exclusions after the operation ``after`` (whose run is in
-    ``runs``), run by run; and the cursor of the next page (None: this is the last)."""
+async def batches(ledger: Ledger, runs: list[Run], after: Operation | None,
+                  size: int) -> AsyncIterator[list[Operation]]:
+    """The exclusions after the operation ``after`` (whose run is in ``runs``; None: from
+    the start), run by run in ID order, read ``size`` at a time."""
     start = 0 if after is None else [r.id for r in runs].index(after.run_id)
     cursor = None if after is None else after.id
-    rows: list[Operation] = []
     for run in runs[start:]:
-        rows += await ledger.list_operations(run.id, None, cursor, limit - len(rows))
-        if len(rows) == limit:
-            return rows, rows[-1].id
+        while True:
+            ops = await ledger.list_operations(run.id, None, cursor, size)
+            if ops:
+                yield ops
+            if len(ops) < size:
+                break
+            cursor = ops[-1].id
         cursor = None
+
+
+async def page(ledger: Ledger, runs: list[Run], after: Operation | None,
+               limit: int) -> tuple[list[Operation], str | None]:
+    """Up to ``limit`` exclusions after ``after``, and the next page's cursor (None: this
+    is the last)."""
+    rows: list[Operation] = []
+    async for ops in batches(ledger, runs, after, limit):
+        rows += ops
+        if len(rows) >= limit:
+            return rows[:limit], rows[limit - 1].id
     return rows, None
 
 
@@ -106,19 +120,10 @@ async def stream(request: web.Request, ledger: Ledger, runs: list[Run],
         "Cleanup-Run-Complete": "true" if all(h["complete"] for h in headers) else "false"})
     await response.prepare(request)
     count = 0
-    start = 0 if after is None else [r.id for r in runs].index(after.run_id)
-    cursor = None if after is None else after.id
     try:
-        for run in runs[start:]:
-            while True:
-                ops = await ledger.list_operations(run.id, None, cursor, STREAM_PAGE)
-                if ops:
-                    await response.write(b"".join(orjson.dumps(record(op)) + b"\n" for op in ops))
-                    count += len(ops)
-                if len(ops) < STREAM_PAGE:
-                    break
-                cursor = ops[-1].id
-            cursor = None
+        async for ops in batches(ledger, runs, after, STREAM_PAGE):
+            await response.write(b"".join(orjson.dumps(record(op)) + b"\n" for op in ops))
+            count += len(ops)
         await response.write(orjson.dumps({"end": True, "count": count, "runs": headers}) + b"\n")
         await response.write_eof()
     except ConnectionResetError:

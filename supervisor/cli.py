@@ -496,10 +496,19 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except CleanupError as exc:
         log.debug("failure", exc_info=exc)
-        print(f"error: {exc}", file=sys.stderr)
+        _report(str(exc))
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
     except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _report(str(exc))
         return EXIT_RUNTIME
+
+
+def _report(message: str) -> None:
+    """A failure that ends the command: a log line in the configured format (a shipper
+    reading JSON logs sees why ``serve`` exited), else the plain ``error:`` line."""
+    if logs.json_configured():
+        log.error("error: %s", message, extra={"action": "exit_error"})
+    else:
+        print(f"error: {message}", file=sys.stderr)

@@ -276,7 +276,7 @@ async def get_run(request: web.Request) -> web.Response:
     if wait == "done" and not _done(run) and api.accepting:
         # Long-poll: woken by the monitor whenever runs change, not by a sleep loop, and
         # by the start of a drain: a waiting client must not hold the process past its
-        # grace period (it gets the run as it stands, as at its timeout).
+        # grace period (it gets a 503 with the run as it stands, below).
         deadline = time.monotonic() + timeout
         while True:
             changed = api.runs_changed.event()  # before the read: a later change sets it
@@ -291,7 +291,14 @@ async def get_run(request: web.Request) -> web.Response:
                 async with asyncio.timeout(remaining):
                     await changed.wait()
     counts = await api.ledger.run_counts(run_id)
-    return _json(run_view(run, counts, api.current_rate(), api.projected_finish))
+    view = run_view(run, counts, api.current_rate(), api.projected_finish)
+    if wait == "done" and not _done(run) and not api.accepting:
+        # A wait this process can no longer honour: said so, with when to ask again (of
+        # another replica, or of the next life), so a looping client does not spin.
+        response = _error(503, "shutting down; ask again", run=view)
+        response.headers["Retry-After"] = "5"
+        return response
+    return _json(view)
 
 
 async def list_operations(request: web.Request) -> web.Response:

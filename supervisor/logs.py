@@ -41,6 +41,10 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(doc, default=str).decode()
 
 
+def json_configured() -> bool:
+    return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
+
+
 def configure(level: str, stream: IO[str] | None = None,
               fmt: Literal["text", "json"] = "text") -> None:
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)

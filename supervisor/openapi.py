@@ -88,7 +88,7 @@ DOCUMENT: dict[str, Any] = {
                     {"name": "timeout", "in": "query",
                      "schema": {"type": "integer", "minimum": 0, "maximum": 60}}],
                 "responses": {**_ok("the run", {"$ref": "#/components/schemas/Run"}),
-                              **_errors(400, 401, 404)},
+                              **_errors(400, 401, 404, 503)},
             },
         },
         "/v1/runs/{run_id}/operations": {

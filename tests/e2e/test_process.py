@@ -88,9 +88,21 @@ async def test_a_long_poll_answers_when_the_drain_begins_and_cannot_hold_the_exi
     sp.send(signal.SIGTERM)
     async with asyncio.timeout(grace):
         status, doc = await poll
-    assert status == 200, doc
-    assert doc["state"] != "done", doc  # the run as it stands
-    assert doc["unfinished"] > 0, doc
+    # A wait it can no longer honour: 503, the run as it stands, and when to ask again.
+    assert status == 503, doc
+    assert doc["run"]["state"] != "done", doc
+    assert doc["run"]["unfinished"] > 0, doc
     assert await sp.wait_exit() == 0
     # The drain's bound, not the long-poll's 60 s: the grace plus the two bounded writes.
     assert time.monotonic() - signalled < grace + 6.0 + 2.0
+
+
+async def test_a_start_up_failure_is_a_json_line_too_with_json_logs(e2e):
+    svc = e2e.service(None, {"source": {"kind": "inline"}, "service": {"log_format": "json"}})
+    (svc.data_dir / "cleanup.sqlite3").mkdir(parents=True)
+    sp = await svc.spawn()
+    assert await sp.wait_exit() == EXIT_STARTUP, sp.tail()
+    docs = [orjson.loads(line) for line in sp.lines]  # every line, the failure's too
+    [failure] = [d for d in docs if d.get("action") == "exit_error"]
+    assert failure["level"] == "ERROR"
+    assert "cannot open ledger" in failure["message"]

@@ -20,7 +20,7 @@ from prometheus_async.aio.web import server_stats
 from supervisor import exclusions, metrics
 from supervisor.config import Config
 from supervisor.errors import IllegalTransition
-from supervisor.ledger.base import Ledger, Operation, Run
+from supervisor.ledger.base import Ledger, LedgerStats, Operation, Run
 from supervisor.openapi import DOCUMENT, PRINTABLE, TICK_KEY
 from supervisor.push import PushReceiver, PushRejected, answer_body, parse_delivery, verify
 from supervisor.reconcile import RESOLUTIONS, Reconciler
@@ -52,6 +52,9 @@ class ApiState:
     # When n more requests will have been sent (the budget's view: rate, a pause in force,
     # quotas); None: n / current_rate.
     projected_finish: Callable[[int, float], float] | None = None
+    # The monitor's last count of the ledger (None before its first): what the status
+    # page shows, rather than a second count of the same rows every second.
+    ledger_stats: Callable[[], LedgerStats | None] = lambda: None
     accepting: bool = True
     # Push delivery (POST /v1/push/{queue}); None: not configured, the route answers 404.
     push: PushReceiver | None = None

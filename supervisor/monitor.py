@@ -12,7 +12,7 @@ from supervisor import metrics
 from supervisor.budget.base import RateBudget
 from supervisor.errors import StorageError
 from supervisor.exclusions import count_by_reason
-from supervisor.ledger.base import Ledger
+from supervisor.ledger.base import Ledger, LedgerStats
 from supervisor.queue.base import Queue
 from supervisor.runs import Broadcast
 from supervisor.states import SETTLED, TERMINAL, RunState
@@ -54,6 +54,8 @@ class Monitor:
         # (a container's HEALTHCHECK asks /healthz, not /readyz).
         self.readiness = readiness
         self._last_pause: tuple[float, float] | None = None  # (refreshed at, paused until)
+        # The last count of the ledger, for the status page: one count serves both.
+        self.last_stats: LedgerStats | None = None
 
     async def run(self) -> None:
         # At once, not a second in: cleanup_ready (and the gauges) are right from the start.
@@ -107,7 +109,7 @@ class Monitor:
         metrics.QUEUE_PARKED.set(q.parked)
         metrics.QUEUE_LEASED.set(q.leased)
         metrics.QUEUE_OLDEST_AGE.set(q.oldest_claimable_age_s)
-        s = await self.ledger.stats()
+        s = self.last_stats = await self.ledger.stats()
         metrics.AMBIGUOUS.set(s.ambiguous)
         run = s.current_run
         if run is None:

@@ -48,7 +48,8 @@ def add_status_routes(app: web.Application, state: ApiState) -> None:
         throttle=LoginThrottle(config.login_failures_per_minute),
         data=StatusData(state.ledger, state.current_rate,
                         state.config.schedule.digest_cutoff_seconds, history,
-                        projected_finish=state.projected_finish),
+                        projected_finish=state.projected_finish,
+                        ledger_stats=state.ledger_stats),
         history=history, static=load_static())
     app.router.add_get("/", index)
     app.router.add_get("/login", login_form)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.ledger.base import Ledger, Run
+from supervisor.ledger.base import Ledger, LedgerStats, Run
 from supervisor.states import SETTLED, OpState, RunState
 from supervisor.status.history import History
 
@@ -125,8 +125,10 @@ class StatusData:
 
     def __init__(self, ledger: Ledger, rate: Callable[[], float], cutoff_s: float | None,
                  history: History | None, clock: Callable[[], float] = time.time,
-                 projected_finish: Callable[[int, float], float] | None = None) -> None:
+                 projected_finish: Callable[[int, float], float] | None = None,
+                 ledger_stats: Callable[[], LedgerStats | None] = lambda: None) -> None:
         self.ledger = ledger
+        self.ledger_stats = ledger_stats
         self.rate = rate
         self.projected_finish = projected_finish
         self.cutoff_s = cutoff_s
@@ -163,13 +165,18 @@ class StatusData:
     async def _compute(self) -> dict[str, Any]:
         now = self.clock()
         rate = self.rate()
-        # The monitor's own pass: the ambiguous count and the newest run's counts.
-        stats = await self.ledger.stats()
+        # The monitor's own pass (every second; every 15 s on a replica not holding the
+        # monitor role): the ambiguous count and the newest run's counts. Counting again
+        # here would double the ledger's busiest query while a page is open.
+        stats = self.ledger_stats() or await self.ledger.stats()
         runs = await self.ledger.list_runs(RECENT_RUNS)
         summaries = []
         for r in runs:
-            counts = (dict(stats.current_run_by_state) if stats.current_run is not None
-                      and stats.current_run.id == r.id else await self._counts(r))
+            # The monitor's counts hold while the run is as it saw it; a run closed since
+            # is counted afresh, so "done" never shows next to the counts of before.
+            seen = stats.current_run
+            counts = (dict(stats.current_run_by_state) if seen is not None and seen.id == r.id
+                      and seen.state is r.state else await self._counts(r))
             summaries.append(summarize(r, counts, rate, now, self.cutoff_s,
                                        self.projected_finish))
         keep = {r.id for r in runs}

@@ -37,13 +37,9 @@ async def _paged(svc, schedule: str, limit: int, headers: dict | None = None,
         after = doc["next_after"]
 
 
-async def _scanned(svc, run_id: str) -> None:
-    """Once the run's scan has recorded every page (the scan is the service's own task:
-    nothing to await from outside but the run's state)."""
-    deadline = time.monotonic() + 10
-    while (await svc.run(run_id))["scan_finished_at"] is None:
-        assert time.monotonic() < deadline, "the scan did not finish"
-        await asyncio.sleep(0.05)
+async def _scanned(sp, run_id: str) -> None:
+    """Once the run's scan has recorded every page (its log line says so)."""
+    await sp.wait_for_line(rf"scan of {run_id} finished\b")
 
 
 async def _stream(e2e, svc, path: str, token: str) -> tuple[dict, list[dict], dict]:
@@ -138,9 +134,9 @@ async def test_runs_draining_together_are_all_excluded_and_a_foreign_cursor_is_a
     # (the partner does not answer, so neither finishes); both lists are the exclusions.
     svc = e2e.service(None, {"source": {"kind": "inline"}, "schedule": {"overlap": "allow"},
                              "partner": {"base_url": "http://127.0.0.1:9"}})
-    await svc.start()
+    sp = await svc.start()
     first = await svc.open_run(recipient_ids=[f"a-{i}" for i in range(30)])
-    await _scanned(svc, first)
+    await _scanned(sp, first)
     status, doc = await svc.request("GET", "/v1/exclusions?schedule=e2e&limit=10")
     assert status == 200, doc
     assert [r["id"] for r in doc["runs"]] == [first]
@@ -148,7 +144,7 @@ async def test_runs_draining_together_are_all_excluded_and_a_foreign_cursor_is_a
     cursor = doc["next_after"]
     second = await svc.open_run(scheduled_for="2026-12-07T02:00:00+00:00",
                                 recipient_ids=[f"b-{i}" for i in range(5)])
-    await _scanned(svc, second)
+    await _scanned(sp, second)
     while cursor is not None:  # the same cursor goes on, through both runs in turn
         status, doc = await svc.request(
             "GET", f"/v1/exclusions?schedule=e2e&limit=10&after={cursor}")
@@ -159,7 +155,7 @@ async def test_runs_draining_together_are_all_excluded_and_a_foreign_cursor_is_a
     assert sorted(seen) == sorted([f"a-{i}" for i in range(30)] + [f"b-{i}" for i in range(5)])
     # A cursor from another schedule's run does not belong to this list.
     other = await svc.open_run(schedule="other", recipient_ids=["c-1"])
-    await _scanned(svc, other)
+    await _scanned(sp, other)
     [op] = await svc.operations(other)
     status, doc = await svc.request("GET", f"/v1/exclusions?schedule=e2e&after={op['id']}")
     assert status == 409, doc

@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
-from aiohttp import web
 from dashboard_draw import PanelData, Series, draw_dashboard, summary_line
 from paths import OUT, PY, REPO, log_path
 from processes import Partner, Service, clean_env, dump_toml, free_port, stop_process
+
+from supervisor.sandbox.sink import WebhookSink
 
 DASHBOARD = REPO / "packaging" / "grafana" / "cleanup-supervisor.json"
 ALERT_RULES = REPO / "packaging" / "alerts.yml"
@@ -194,47 +195,8 @@ async def partner(http: aiohttp.ClientSession, token: str) -> AsyncIterator[Part
         await stop_process(proc, grace_s=10)
 
 
-class Webhook:
-    """An events sink on loopback; while ``down`` it answers 503, as a sink in an outage
-    would, so the relay's lag and failed deliveries have something to show."""
-
-    SECRET_ENV = "DASHBOARD_HOOK_SECRET"
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.secret = secrets.token_urlsafe(24)
-        self.down = False
-        self.events = 0
-        self.refused = 0
-        self._runner: web.AppRunner | None = None
-
-    def sink(self) -> dict[str, Any]:
-        return {"name": "crm", "kind": "webhook", "url": f"http://127.0.0.1:{self.port}/hook",
-                "secret_env": self.SECRET_ENV}
-
-    async def _take(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        if self.down:
-            self.refused += 1
-            return web.Response(status=503)
-        self.events += len(json.loads(body)["events"])
-        return web.Response(status=204)
-
-    async def __aenter__(self) -> Webhook:
-        app = web.Application()
-        app.router.add_post("/hook", self._take)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-
 def service_doc(data_dir: Path, port: int, partner_url: str,
-                hook: Webhook) -> dict[str, dict[str, Any]]:
+                hook: WebhookSink) -> dict[str, dict[str, Any]]:
     """config/default.toml with the run's shape: every panel's series exists with it."""
     doc: dict[str, dict[str, Any]] = tomllib.loads((REPO / "config/default.toml").read_text())
     doc["service"].update(data_dir=str(data_dir), listen=f"127.0.0.1:{port}",
@@ -264,7 +226,7 @@ class Run:
     panels: list[PanelData] = field(default_factory=list)
 
 
-async def drive(events: tuple[Event, ...], t0: float, p: Partner, hook: Webhook,
+async def drive(events: tuple[Event, ...], t0: float, p: Partner, hook: WebhookSink,
                 applied: list[tuple[float, str]]) -> None:
     for event in events:
         await asyncio.sleep(max(0.0, t0 + event.at_s - time.time()))
@@ -279,13 +241,14 @@ async def record(tmp: Path) -> Run:
     out = Run()
     token = secrets.token_urlsafe(18)
     timeout = aiohttp.ClientTimeout(total=60, connect=5)
-    async with aiohttp.ClientSession(timeout=timeout) as http, Webhook() as hook, \
+    sink = WebhookSink("crm", "DASHBOARD_HOOK_SECRET")
+    async with aiohttp.ClientSession(timeout=timeout) as http, sink as hook, \
             partner(http, token) as p:
         port = free_port()
         config = tmp / "service.toml"
         config.write_text(dump_toml(service_doc(tmp / "data", port, p.url, hook)))
         env = clean_env(CUSTOMER_API_TOKEN=token, PYTHONUNBUFFERED="1",
-                        **{hook.SECRET_ENV: hook.secret})
+                        **{hook.secret_env: hook.secret})
         svc = Service(http, config, port, REPO, log_path("dashboard", "png", "service"), env)
         # Prometheus first: its first scrape comes ~5 s after it starts (target discovery
         # hands over every 5 s), time the service spends starting.

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import secrets
 import socket
 import tempfile
@@ -21,7 +19,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from supervisor import config
 from supervisor.configtypes import Secret
@@ -32,49 +29,12 @@ from supervisor.demo import (
     sandbox_process,
     start_service,
 )
-from supervisor.events.sinks import SIGNATURE_HEADER, TIMESTAMP_HEADER
 from supervisor.infrai.client import InfraiClient, InfraiError
 from supervisor.infrai.cron import InfraiCron
+from supervisor.sandbox.sink import WebhookSink
 from supervisor.service import Service
 
 EVENTS_QUEUE = "cleanup-events"
-
-
-class Receiver:
-    """A webhook sink: verifies the signature, keeps each event ID once."""
-
-    def __init__(self, secret: str) -> None:
-        self.secret = secret.encode()
-        self.ids: set[str] = set()
-        self.deliveries = 0
-        self.refused = 0
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/events", self.handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}/events"
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        ts = request.headers.get(TIMESTAMP_HEADER, "")
-        want = "sha256=" + hmac.new(self.secret, ts.encode() + b"." + body,
-                                    hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(request.headers.get(SIGNATURE_HEADER, ""), want):
-            self.refused += 1
-            return web.Response(status=401)
-        self.deliveries += 1
-        self.ids.update(e["id"] for e in orjson.loads(body)["events"])
-        return web.Response(status=204)
-
-    async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
 
 
 def free_port() -> int:
@@ -86,7 +46,7 @@ def free_port() -> int:
 async def run_managed(opts: DemoOptions) -> int:
     partner_token, trigger_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     infrai_key, control = "ifr_" + secrets.token_urlsafe(24), secrets.token_urlsafe(24)
-    hooks = [Receiver(secrets.token_urlsafe(16)) for _ in range(2)]
+    hooks = [WebhookSink(f"hook-{i}", f"DEMO_HOOK_{i}") for i in range(2)]
     sandbox_args = ["--recipients", str(opts.recipients), "--rate", str(opts.partner_rate),
                     "--absent-share", str(opts.absent_share)]
     port = free_port()
@@ -110,7 +70,7 @@ async def run_managed(opts: DemoOptions) -> int:
                 "CLEANUP__QUEUE__BACKEND": "infrai", "CLEANUP__INFRAI__BASE_URL": emulator.url,
                 "CLEANUP__INFRAI__TRIGGER_URL": f"{service_url}/v1/runs",
                 "CLEANUP__EVENTS__SINK": sinks, "INFRAI_API_KEY": infrai_key,
-                **{f"DEMO_HOOK_{i}": h.secret.decode() for i, h in enumerate(hooks)}})
+                **{h.secret_env: h.secret for h in hooks}})
             cfg = config.load(opts.config_path, environ)
             service = Service(cfg)
             task = await start_service(service)
@@ -134,7 +94,7 @@ async def run_managed(opts: DemoOptions) -> int:
 
 
 async def _drive(cfg: config.Config, service_url: str, trigger_token: str, partner_url: str,
-                 partner_token: str, hooks: list[Receiver], emulator_url: str,
+                 partner_token: str, hooks: list[WebhookSink], emulator_url: str,
                  control: str) -> dict[str, Any]:
     client = InfraiClient(cfg.infrai)
     await client.start()

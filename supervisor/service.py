@@ -98,7 +98,7 @@ class Service:
                           finishes=lambda: roles.holds("monitor"),
                           settled=backends.wakeups["finished"],
                           finish_every_s=backends.finish_every_s,
-                          readiness=lambda: ready())
+                          readiness=lambda: ready())  # below: it reads the pool
         scanner = Scanner(c, ledger, scan_wakeup, publish_wakeup)
         publisher = Publisher(ledger, queue, publish_wakeup)
         opener = RunOpener(c, ledger, scan_wakeup)

@@ -130,13 +130,31 @@ def _address(request: web.Request) -> str:
     return request.remote or "unknown"
 
 
-async def _form(request: web.Request) -> MultiDictProxy[str | bytes | bytearray | web.FileField] | None:
+Form = MultiDictProxy[str | bytes | bytearray | web.FileField]
+
+
+async def _form(request: web.Request) -> Form | None:
     """The posted form; None when it cannot be read (bytes that are not UTF-8, a broken
     multipart body). Past service.max_body_bytes the middleware answers 413."""
     try:
         return await request.post()
     except (UnicodeDecodeError, ValueError):
         return None
+
+
+async def _session_form(request: web.Request, session: Session) -> Form | web.Response:
+    """A logged-in session's state-changing form, once it is shown to come from this
+    page's own origin, to be readable and to carry the session's CSRF token; else the
+    refusal to answer with."""
+    if not same_origin(request, _ctx(request).config):
+        return _refused(request, "The form must be sent from this page's own origin.", session)
+    form = await _form(request)
+    if form is None:
+        return _unreadable(session)
+    if not csrf_ok(form, session):
+        return _refused(request, "The form's CSRF token is missing or wrong; reload the page "
+                        "and try again.", session)
+    return form
 
 
 def _unreadable(session: Session | None) -> web.Response:
@@ -202,15 +220,9 @@ async def logout(request: web.Request) -> web.Response:
     ctx = _ctx(request)
     session = _session(request)
     if session is not None:
-        if not same_origin(request, ctx.config):
-            return _refused(request, "The form must be sent from this page's own origin.",
-                            session)
-        form = await _form(request)
-        if form is None:
-            return _unreadable(session)
-        if not csrf_ok(form, session):
-            return _refused(request, "The form's CSRF token is missing or wrong; reload the "
-                            "page and try again.", session)
+        form = await _session_form(request, session)
+        if isinstance(form, web.Response):
+            return form
         ctx.sessions.drop(session.id)
     response = _redirect("/login")
     clear_session_cookie(response, ctx.config)
@@ -233,14 +245,9 @@ async def resolve(request: web.Request) -> web.Response:
     if session is None:
         return _html(render.message_page(
             "Not logged in", "Log in to resolve an operation.", None), 401)
-    if not same_origin(request, ctx.config):
-        return _refused(request, "The form must be sent from this page's own origin.", session)
-    form = await _form(request)
-    if form is None:
-        return _unreadable(session)
-    if not csrf_ok(form, session):
-        return _refused(request, "The form's CSRF token is missing or wrong; reload the page "
-                        "and try again.", session)
+    form = await _session_form(request, session)
+    if isinstance(form, web.Response):
+        return form
     if not session.can_resolve:
         return _refused(request, "You are logged in read-only: an operator resolves.", session)
     op_id = request.match_info["operation_id"]

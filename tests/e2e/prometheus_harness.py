@@ -5,7 +5,7 @@ loopback with a temporary configuration: the services as targets of the job the 
 rules name, ``packaging/alerts.yml`` as its rules, a TSDB in the test's directory.
 :class:`Prometheus` is a client of its HTTP API. :func:`dashboard_targets` lists every
 query of the Grafana dashboard with its template variables replaced, as Grafana would send
-it. :class:`Webhook` is an events sink that takes every delivery.
+it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -25,7 +24,6 @@ import aiohttp
 import orjson
 import pytest
 import yaml
-from aiohttp import web
 from conftest import E2E, Service, free_port
 
 PACKAGING = Path(__file__).resolve().parents[2] / "packaging"
@@ -204,42 +202,3 @@ def dashboard_targets(rate_interval_s: float, range_s: float) -> list[PanelQuery
             assert "$" not in expr, f"panel {panel['title']!r}: unknown variable in {expr}"
             out.append(PanelQuery(panel["title"], row, expr))
     return out
-
-
-# -- an events sink ---------------------------------------------------------------------
-
-
-class Webhook:
-    """A webhook events sink on loopback that takes every delivery (signatures are the
-    events suite's subject, not this one's)."""
-
-    SECRET_ENV = "E2E_HOOK_SECRET"
-
-    def __init__(self, name: str = "hook") -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/hook"
-        self.secret = secrets.token_urlsafe(24)
-        self.events = 0
-        self._runner: web.AppRunner | None = None
-
-    def sink(self) -> dict[str, Any]:
-        """Its ``[[events.sink]]`` entry (the secret goes in the service's environment)."""
-        return {"name": self.name, "kind": "webhook", "url": self.url,
-                "secret_env": self.SECRET_ENV}
-
-    async def _take(self, request: web.Request) -> web.Response:
-        self.events += len(orjson.loads(await request.read())["events"])
-        return web.Response(status=204)
-
-    async def __aenter__(self) -> Webhook:
-        app = web.Application()
-        app.router.add_post("/hook", self._take)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()

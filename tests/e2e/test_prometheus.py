@@ -30,7 +30,6 @@ from prometheus_harness import (
     SCRAPE_S,
     Prometheus,
     Sample,
-    Webhook,
     alert_rules,
     binary,
     dashboard_targets,
@@ -40,6 +39,7 @@ from prometheus_harness import (
 from replica_harness import replica_overrides
 
 from supervisor.monitor import REFRESH_S
+from supervisor.sandbox.sink import WebhookSink
 from supervisor.states import TERMINAL
 
 pytestmark = pytest.mark.e2e
@@ -93,7 +93,7 @@ def unfinished_of(run: dict[str, Any]) -> int:
     return sum(n for state, n in run["counts"].items() if state not in TERMINAL_STATES)
 
 
-def shape(hook: Webhook) -> Sections:
+def shape(hook: WebhookSink) -> Sections:
     # A digest cutoff, a quota far from spent and an events sink: so the panels that
     # show them have series.
     return {"schedule": {"digest_cutoff_seconds": 3600.0},
@@ -131,12 +131,12 @@ async def the_storm(prom: Prometheus, svc: Service, run_id: str, began: float) -
     return Storm(began, sample.at, unfinished_api, sample.value, age, depth)
 
 
-async def observe(e2e: E2E, hook: Webhook, backend: Sections,
+async def observe(e2e: E2E, hook: WebhookSink, backend: Sections,
                   env: dict[str, str]) -> Observed:
     sandbox = await e2e.sandbox("--recipients", POPULATION, "--rate", PARTNER_RATE,
                                 "--burst", 5)
     svc = e2e.service(sandbox, merge(shape(hook), backend))
-    svc.env.update(env, **{hook.SECRET_ENV: hook.secret})
+    svc.env.update(env, **{hook.secret_env: hook.secret})
     # Prometheus first: its first scrape comes about 5 s after it starts (target discovery
     # hands over updates every 5 s), time the service spends starting.
     prom = await start_prometheus(e2e, [svc])
@@ -259,7 +259,7 @@ async def check_every_panel(o: Observed, replicas: bool) -> None:
 
 
 async def test_prometheus_sees_a_sqlite_run_as_the_partner_did(e2e: E2E) -> None:
-    async with Webhook() as hook:
+    async with WebhookSink(secret_env="E2E_HOOK_SECRET") as hook:
         o = await observe(e2e, hook, {}, {})
         numbers = await check_the_four_numbers(o)
         print(f"sqlite: {numbers}")
@@ -268,7 +268,7 @@ async def test_prometheus_sees_a_sqlite_run_as_the_partner_did(e2e: E2E) -> None
 
 
 async def test_prometheus_sees_a_postgres_run_as_the_partner_did(pg: Any, e2e: E2E) -> None:
-    async with Webhook() as hook:
+    async with WebhookSink(secret_env="E2E_HOOK_SECRET") as hook:
         o = await observe(e2e, hook, replica_overrides(pg.schema),
                           {"CLEANUP_DATABASE_URL": pg.dsn})
         numbers = await check_the_four_numbers(o)
@@ -279,11 +279,11 @@ async def test_prometheus_sees_a_postgres_run_as_the_partner_did(pg: Any, e2e: E
 
 async def test_promtool_finds_nothing_to_lint_in_metrics_after_a_run(e2e: E2E) -> None:
     promtool = binary("promtool")
-    async with Webhook() as hook:
+    async with WebhookSink(secret_env="E2E_HOOK_SECRET") as hook:
         sandbox = await e2e.sandbox("--recipients", 100, "--rate", 400)
         # Labelled families with series: outcomes, statuses, roles, the quota, the sink.
         svc = e2e.service(sandbox, merge(shape(hook), {"limits": {"rate_per_second": 300.0}}))
-        svc.env[hook.SECRET_ENV] = hook.secret
+        svc.env[hook.secret_env] = hook.secret
         await svc.start()
         await svc.wait_done(await svc.open_run())
         text = (await svc.metrics()).text

@@ -126,6 +126,10 @@ class Database:
         await conn.execute(sql.ACTIVE_INDEX)
 
     async def _connect(self) -> None:
+        # aiosqlite stops its worker thread on a failed connect without waiting for it, and
+        # the thread's last answer can then land on a loop that has closed (a traceback at
+        # exit, after a clean start-up failure): open the file once first, with no worker.
+        await asyncio.to_thread(_try_open, self.path)
         self._writer = await aiosqlite.connect(self.path, isolation_level=None)
         for pragma in sql.PRAGMAS:
             await self._writer.execute(pragma)
@@ -283,3 +287,7 @@ class Database:
                       exc, self.path, extra={"action": "ledger_unhealthy"})
         self.healthy = False
         self.last_error = str(exc)
+
+
+def _try_open(path: Path) -> None:
+    sqlite3.connect(path).close()

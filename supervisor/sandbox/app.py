@@ -161,7 +161,18 @@ async def delete_recipient(request: web.Request) -> web.StreamResponse:
         state.note_unauthorized()
         raise
     recipient_id = request.match_info["recipient_id"]
+    entry = state.open_request(recipient_id, request.headers.get("Idempotency-Key"))
+    status: int | None = None
+    try:
+        response = await _delete(request, state, recipient_id)
+        status = response.status
+        return response
+    finally:
+        state.close_request(entry, status)
 
+
+async def _delete(request: web.Request, state: SandboxState,
+                  recipient_id: str) -> web.StreamResponse:
     now = state.clock()
     refusal = state.admit(now)
     if refusal is not None:
@@ -327,6 +338,13 @@ async def sandbox_log(request: web.Request) -> web.StreamResponse:
     return json_response(entries)
 
 
+async def sandbox_requests(request: web.Request) -> web.StreamResponse:
+    """Every authorised DELETE after ``since`` (its seq), answered or still in the air."""
+    state = request.app[STATE_KEY]
+    since = _int_param(request, "since", 0, 0)
+    return json_response([entry.as_dict() for entry in state.requests_log[since:]])
+
+
 async def sandbox_wait(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     closing = request.app[CLOSING_KEY]
@@ -394,6 +412,7 @@ def create_app(
     app.router.add_get("/stale-recipients", stale_recipients, allow_head=False)
     app.router.add_get("/_sandbox/stats", sandbox_stats, allow_head=False)
     app.router.add_get("/_sandbox/log", sandbox_log, allow_head=False)
+    app.router.add_get("/_sandbox/requests", sandbox_requests, allow_head=False)
     app.router.add_get("/_sandbox/wait", sandbox_wait, allow_head=False)
     app.router.add_get("/_sandbox/control", sandbox_control_get, allow_head=False)
     app.router.add_post("/_sandbox/control", sandbox_control_post)

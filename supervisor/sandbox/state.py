@@ -76,6 +76,27 @@ class Execution:
         }
 
 
+@dataclass(slots=True)
+class DeleteRequest:
+    """One DELETE as the partner saw it, from its arrival to its answer: what "at most one
+    request in the air per operation" is checked against."""
+
+    seq: int
+    recipient_id: str
+    idempotency_key: str | None
+    arrived: float
+    answered: float | None = None
+    status: int | None = None
+    # How many DELETEs of the same recipient were in the air when this one arrived.
+    overlapping: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {"seq": self.seq, "recipient_id": self.recipient_id,
+                "idempotency_key": self.idempotency_key, "arrived": self.arrived,
+                "answered": self.answered, "status": self.status,
+                "overlapping": self.overlapping}
+
+
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     status: int
@@ -166,6 +187,8 @@ class Counters:
     pages_served: int = 0
     max_rate_observed_1s: int = 0
     max_in_flight: int = 0
+    # DELETEs that arrived while another of the same recipient was still being answered.
+    overlapping_requests: int = 0
 
 
 def recipient_ids(count: int) -> list[str]:
@@ -235,6 +258,8 @@ class SandboxState:
         self.counters = Counters()
         self.idempotency = IdempotencyStore()
         self.log: list[Execution] = []
+        self.requests_log: list[DeleteRequest] = []
+        self._in_air: dict[str, int] = {}
         started = clock()
         self._limiter: Limiter = make_limiter(
             config.window, config.rate_per_second, config.burst, started, config.window_seconds
@@ -288,6 +313,26 @@ class SandboxState:
     def note_request(self) -> None:
         self.counters.requests += 1
         self._notify()
+
+    def open_request(self, recipient_id: str, idempotency_key: str | None) -> DeleteRequest:
+        """An authorised DELETE arrived; :meth:`close_request` once it is answered."""
+        overlapping = self._in_air.get(recipient_id, 0)
+        self._in_air[recipient_id] = overlapping + 1
+        if overlapping:
+            self.counters.overlapping_requests += 1
+        entry = DeleteRequest(len(self.requests_log) + 1, recipient_id, idempotency_key,
+                              self.clock(), overlapping=overlapping)
+        self.requests_log.append(entry)
+        return entry
+
+    def close_request(self, entry: DeleteRequest, status: int | None) -> None:
+        entry.answered = self.clock()
+        entry.status = status
+        left = self._in_air.get(entry.recipient_id, 1) - 1
+        if left:
+            self._in_air[entry.recipient_id] = left
+        else:
+            self._in_air.pop(entry.recipient_id, None)
 
     def note_unauthorized(self) -> None:
         self.counters.unauthorized += 1
@@ -474,6 +519,7 @@ class SandboxState:
             "present": len(self._present),
             "max_rate_observed_1s": c.max_rate_observed_1s,
             "max_in_flight": c.max_in_flight,
+            "overlapping_requests": c.overlapping_requests,
             "population": len(self.population),
             "initially_absent": self.initially_absent,
             "garbage_listed": len(self.listing) - len(self.population),

@@ -182,6 +182,13 @@ class Sandbox:
         assert status == 200, doc
         return list(doc)
 
+    async def requests(self) -> list[dict[str, Any]]:
+        """Every authorised DELETE the partner received: arrival, answer, and how many of
+        the same recipient were in the air when it arrived."""
+        status, doc = await self._get("/_sandbox/requests")
+        assert status == 200, doc
+        return list(doc)
+
 
 # -- the Infrai queue emulator --------------------------------------------------------
 

@@ -159,6 +159,28 @@ async def test_key_still_in_progress_answers_409() -> None:
         assert stats["conflicts"] == 1
 
 
+async def test_requests_log_shows_what_was_in_the_air_at_once() -> None:
+    # Two DELETEs of one recipient overlap (the first held by the latency); one of
+    # another recipient does not overlap with either.
+    async with sandbox(latency_ms=500) as (running, http):
+        first = asyncio.create_task(delete(http, "r-000001", key="k-1"))
+        status, _ = await get_json(http, "/_sandbox/wait?requests=1&timeout=10")
+        assert status == 200
+        second = asyncio.create_task(delete(http, "r-000001", key="k-1"))
+        other = asyncio.create_task(delete(http, "r-000002", key="k-2"))
+        statuses = sorted(r[0] for r in await asyncio.gather(first, second, other))
+        assert statuses == [204, 204, 409]
+        status, entries = await get_json(http, "/_sandbox/requests")
+        assert status == 200
+        assert sorted((e["recipient_id"], e["overlapping"]) for e in entries) == [
+            ("r-000001", 0), ("r-000001", 1), ("r-000002", 0)]
+        assert all(e["answered"] >= e["arrived"] for e in entries)
+        assert sorted(e["status"] for e in entries) == [204, 204, 409]
+        assert running.state.stats()["overlapping_requests"] == 1
+        status, rest = await get_json(http, "/_sandbox/requests?since=2")
+        assert [e["seq"] for e in rest] == [3]
+
+
 async def test_key_reused_for_another_recipient_answers_422() -> None:
     async with sandbox() as (running, http):
         assert (await delete(http, "r-000001", key="k-1"))[0] == 204

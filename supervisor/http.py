@@ -19,7 +19,7 @@ from prometheus_async.aio.web import server_stats
 
 from supervisor import exclusions, metrics
 from supervisor.config import Config
-from supervisor.errors import IllegalTransition
+from supervisor.errors import IllegalTransition, StorageError
 from supervisor.ledger.base import Ledger, LedgerStats, Operation, Run
 from supervisor.openapi import DOCUMENT, PRINTABLE, TICK_KEY
 from supervisor.push import PushReceiver, PushRejected, answer_body, parse_delivery, verify
@@ -98,6 +98,13 @@ async def error_middleware(request: web.Request,
         if exc.status < 400:
             raise
         return _error(exc.status, exc.reason)
+    except StorageError as exc:
+        # The ledger is away (a restart of PostgreSQL, a full disk): the client did nothing
+        # wrong and may ask again; the ledger reported the fault once already.
+        log.debug("ledger unavailable for %s %r: %s", request.method, request.path, exc)
+        response = _error(503, "the ledger is unavailable; try again shortly")
+        response.headers["Retry-After"] = "5"
+        return response
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error(500, "internal error; see the service log")

@@ -445,3 +445,13 @@ async def test_an_unhealthy_ledger_refuses_triggers_with_503(api: Api) -> None:
     assert status == 503
     assert "ledger" in doc["error"]
     assert await api.counts() == (0, 0, 0)
+
+
+async def test_a_read_the_ledger_cannot_answer_is_503_not_500(api: Api) -> None:
+    # The reader connection gone (the file's database away): the client asked nothing
+    # wrong and may ask again.
+    assert api.db._reader is not None
+    await api.db._reader.close()
+    status, doc = await call(api, "GET", "/v1/runs", headers=AUTH)
+    assert status == 503, doc
+    assert "ledger" in doc["error"]

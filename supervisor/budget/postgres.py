@@ -29,11 +29,13 @@ What is decided here:
   three replicas in one 429 storm cut once; each grant carries the cut it was paced
   under, so a replica that heard of another's cut late (or whose clock is ahead) does not
   cut again (:func:`pg_row.apply`).
-* **Clock**: slots, pauses and the policy's times all use the replicas' own wall clock
-  (``clock``), as the policy's state already does, so an injected clock holds throughout.
-  Replicas' clocks must agree (NTP): a skew of d seconds lets about d x rate requests
-  overlap where two replicas' blocks meet. start() warns when this clock and the
-  database's differ by more than 0.1 s.
+* **Clock**: slots, pauses and the policy's times all use one clock (``clock``), as the
+  policy's state already does, so an injected clock holds throughout. By default it is
+  PostgreSQL's: this host's wall clock corrected by the offset to the database's, measured
+  at start. A replica whose clock is off (no NTP, a VM resumed) would otherwise reserve
+  slots, pauses and cuts seconds away from its peers' (a skew of d seconds lets about
+  d x rate requests overlap where two replicas' blocks meet, or stalls every replica behind
+  a slot d seconds ahead). start() warns when the offset exceeds 0.1 s.
 * **A new life** (policy.remembered: a learnt limit drifts back, a pause in force is kept)
   is applied once, by a replica that starts while no other is alive (the liveness lock:
   of two starting together one remembers and the other waits for it).
@@ -98,6 +100,12 @@ class PostgresBudget:
                  clock: Callable[[], float] = time.time) -> None:
         self.cfg = PolicyConfig.from_limits(limits)
         self.key = key
+        self._pool = pool
+        # Added to this host's clock so every replica paces on the database's (start()).
+        self._offset = 0.0
+        self._on_db_clock = clock is time.time
+        if self._on_db_clock:
+            clock = self._db_clock
         self._clock = clock
         self._table = BudgetTable(pool, key, schema)
         self._faults: set[str] = set()
@@ -134,13 +142,29 @@ class PostgresBudget:
 
     # -- life ------------------------------------------------------------------------
 
+    def _db_clock(self) -> float:
+        return time.time() + self._offset
+
+    async def _measure_offset(self) -> None:
+        before = time.time()
+        async with self._pool.acquire() as conn:
+            db_now = float(await conn.fetchval(
+                "SELECT extract(epoch from clock_timestamp())::float8"))
+        # The database read its clock about half way through the round trip.
+        self._offset = db_now - (before + time.time()) / 2
+
     async def start(self) -> None:
         if self._refresher is not None:
             return
-        now = self._clock()
+        if self._on_db_clock:
+            await self._measure_offset()
+            if abs(self._offset) > SKEW_WARN_S:
+                log.warning("this clock and PostgreSQL's differ by %.3f s: pacing on "
+                            "PostgreSQL's clock; fix this host's time (NTP)", -self._offset,
+                            extra={"action": "budget_clock_skew"})
         alone = await self._listener.connect(first=True)
         try:
-            row, db_now = await self._table.open(
+            row, _ = await self._table.open(
                 policy.initial(self.cfg).to_dict(), self._new_life if alone else None)
             if alone:
                 # Still counted as alive (shared); replicas waiting for us go on.
@@ -149,10 +173,6 @@ class PostgresBudget:
             await self._listener.close(within_s=1.0)
             raise
         self._view.adopt(row, self._view.next_seq())
-        if self._clock is time.time and abs(db_now - now) > SKEW_WARN_S:
-            log.warning("this clock and PostgreSQL's differ by %.3f s: replicas pace on their "
-                        "own clocks, so theirs must agree", now - db_now,
-                        extra={"action": "budget_clock_skew"})
         loop = asyncio.get_running_loop()
         self._refresher = loop.create_task(self._view.run(), name="budget-refresh")
         self._listening = loop.create_task(self._listener.run(), name="budget-listen")

@@ -116,13 +116,15 @@ class Rig:
 
 @asynccontextmanager
 async def push_rig(tmp_path: Path, limits: LimitsConfig | None = None,
-                   max_wait_s: float = 5.0) -> AsyncIterator[Rig]:
+                   max_wait_s: float = 5.0, backoff_s: tuple[float, float] = (0.05, 0.2),
+                   ) -> AsyncIterator[Rig]:
     async with run_sandbox(SandboxConfig(recipients=N, absent_share=0.0,
                                          rate_per_second=0)) as sandbox:
         cfg = Config(service=ServiceConfig(data_dir=tmp_path, max_body_bytes=MAX_BODY),
                      queue=QueueConfig(poll_interval_seconds=0.05),
-                     partner=PartnerConfig(base_url=sandbox.url, backoff_initial_seconds=0.05,
-                                           backoff_max_seconds=0.2),
+                     partner=PartnerConfig(base_url=sandbox.url,
+                                           backoff_initial_seconds=backoff_s[0],
+                                           backoff_max_seconds=backoff_s[1]),
                      limits=limits or LimitsConfig(rate_per_second=200, concurrency=4))
         db = Database(cfg.ledger_path)
         await db.open()

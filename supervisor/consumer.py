@@ -177,7 +177,10 @@ class ConsumerPool:
         self._phases[task] = Phase.WAITING
         try:
             with queue.track(delivery) as record:
-                [received] = await self.ledger.note_received([delivery], queue.lease_s)
+                # Infrai delivers a message again after its visibility timeout (our answer
+                # lost, or late): one message, one receive, however often it comes.
+                [received] = await self.ledger.note_received([delivery], queue.lease_s,
+                                                             per_message=True)
                 self._sample([received])
                 await self._handle(task, delivery, received)
         except (StorageError, QueueError) as exc:
@@ -186,6 +189,8 @@ class ConsumerPool:
             return PushOutcome(503, "outcome not recorded (ledger fault)", 5.0, "unavailable")
         finally:
             self._phases.pop(task, None)
+            # The answer is the hand-back: nothing is left to track for this delivery.
+            self._moved.discard(delivery.receipt)
         if record.retry_after_s is not None:
             held = self.budget.snapshot().held_for(time.time()) > 0
             return PushOutcome(429 if held else 503, "retry wait: deliver again later",
@@ -385,13 +390,23 @@ class ConsumerPool:
             # Redelivered after its outcome committed (the ack was lost or never sent).
             await self.courier.drop(delivery, "settled")
             return
+        if op.state is OpState.IN_FLIGHT and received.held_s > 0:
+            # Another worker's attempt holds it, its guard alive (a copy, a redelivery
+            # after the visibility timeout, a replay): that attempt is not ours to end,
+            # nor to double. Come back when its guard is over.
+            metrics.QUEUE_DUPLICATES.inc()
+            if self.caps.nack:
+                await self.courier.retry_later(delivery, received.held_s)
+            return
         if op.unfinished_attempt and not self.config.partner.idempotency_keys:
             # The last request may have acted and the partner cannot dedupe a resend:
             # never resend blindly. Hold it for reconciliation.
             await self._settle(delivery, op, OpState.AMBIGUOUS,
                                f"attempt {op.attempts} has no recorded outcome; not resent")
             return
-        if received.receives > self.config.queue.max_receives:
+        if received.receives > self.config.queue.max_receives and received.held_s <= 0:
+            # Poison: delivered over and over, and nobody holds it (an attempt in the air or
+            # a retry not yet due is progress, however many copies arrive meanwhile).
             target = OpState.AMBIGUOUS if op.unfinished_attempt else OpState.FAILED
             await self._settle(delivery, op, target,
                                f"received {received.receives} times without an outcome")

@@ -450,7 +450,7 @@ async def post_push(request: web.Request) -> web.Response:
         raise ApiError(404, "push delivery is not configured here")
     body = await request.read()  # past service.max_body_bytes: 413 from the middleware
     try:
-        verify(receiver.settings, request.headers, body, time.time())
+        proof = verify(receiver.settings, request.headers, body, time.time())
         handler = receiver.handlers.get(request.match_info["queue"])
         if handler is None:
             raise PushRejected(404, f"no push subscription for queue "
@@ -465,7 +465,7 @@ async def post_push(request: web.Request) -> web.Response:
         response = _error(503, f"{why}; deliver again later")
         response.headers["Retry-After"] = "5"
         return response
-    outcome = await handler.handle_pushed(delivery)
+    outcome = await receiver.deliver(handler, delivery, proof, time.time())
     metrics.PUSH_DELIVERIES.labels(outcome.result).inc()
     response = _json(answer_body(outcome, delivery), outcome.status)
     if outcome.retry_after is not None:

@@ -142,8 +142,13 @@ PUSH_DELIVERIES = Counter(
     "cleanup_push_deliveries",
     "Infrai push deliveries to /v1/push/{queue}, by answer: accepted (2xx, after the commit); "
     "retry, held, busy, unavailable (non-2xx with Retry-After: delivered again later); "
+    "replayed (a copy of a delivery seen before, answered as that one was, nothing written); "
     "unsigned, bad_signature, stale, malformed, unknown_queue (refused, nothing written).",
     ["result"])
+PUSH_REPLAY_EVICTIONS = Counter(
+    "cleanup_push_replay_evictions",
+    "Push deliveries forgotten by the replay cache before their signature expired because "
+    "it was full (infrai.push_replay_cache_entries): a copy of one would be worked again.")
 
 # Completion events (supervisor/events/): one series per configured sink.
 EVENTS_LAG = Gauge(

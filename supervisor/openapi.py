@@ -162,8 +162,11 @@ DOCUMENT: dict[str, Any] = {
                     "Authenticated by its signature, not a bearer token: the signature "
                     "header (infrai.push_signature_header) carries the hex HMAC-SHA256, "
                     "optionally prefixed 'sha256=', of '<timestamp>.' + body (or of the "
-                    "body alone, infrai.push_signature_scheme = 'body') with the push "
+                    "body alone, infrai.push_signature_scheme = 'body', which has no replay "
+                    "protection and needs infrai.allow_unsigned_timestamp) with the push "
                     "secret; the timestamp (Unix seconds) must be within the tolerance. "
+                    "A copy of a delivery seen within the tolerance (the same message_id "
+                    "and signature) is answered as that one was, and not worked again. "
                     "A 2xx acknowledges the delivery only after the ledger committed its "
                     "outcome; 429 (the limiter holds) and 503 (a retry wait, a fault) carry "
                     "Retry-After and mean: deliver it again later."),

@@ -8,6 +8,11 @@ what the HTTP answer must say, because the answer *is* the ack. A 2xx deletes th
 at Infrai, so it is sent only after the ledger committed the outcome; a retry wait is a
 non-2xx with ``Retry-After`` (the delivery is the message: Infrai redelivers it).
 
+A signed request can be captured (a body-logging proxy, Infrai's delivery log) and sent
+again. A copy of a delivery already verified (the same message ID and signature, while
+that signature still verifies) is answered from :class:`ReplayCache` and never reaches
+the ledger: it counts no receive, and no number of copies turns into a poison message.
+
 The reference leaves the delivery's body, headers and signature UNKNOWN
 (infrai-api.md 3.2, 7.11): every choice made here is a setting of :class:`PushSettings`.
 """
@@ -21,12 +26,14 @@ import hmac
 import math
 import re
 import secrets
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import orjson
 
+from supervisor import metrics
 from supervisor.configtypes import Secret
 from supervisor.errors import QueueError
 from supervisor.queue.base import (
@@ -46,6 +53,10 @@ _FIELDS = ("run_id", "operation_id", "recipient_id")
 _TIMESTAMP = re.compile(r"[0-9]{1,16}(\.[0-9]{1,9})?")
 # A Unix time past this is in milliseconds (it is the year 5138 in seconds).
 _MILLIS_FROM = 1e11
+# What a copy is told while the first of its kind is still being worked.
+REPLAY_BUSY_S = 5.0
+# Answers that wrote nothing, or nothing for sure: a copy of one may be worked afresh.
+_NOT_REMEMBERED = ("held", "unavailable")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +75,9 @@ class PushSettings:
     # A delivery that would wait longer than this for the limiter is refused with 429
     # and Retry-After instead of holding the connection (must stay below the lease).
     max_wait_s: float = 5.0
+    # Deliveries remembered against replays (about 150 bytes each); past this the oldest
+    # is forgotten, and counted.
+    replay_cache_entries: int = 100_000
 
 
 class PushRejected(Exception):
@@ -76,8 +90,17 @@ class PushRejected(Exception):
         self.result = result  # the metric label
 
 
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A delivery whose signature matched: the digest it matched (whatever case, prefix
+    or rotation list the header spelt it with) and until when that signature verifies."""
+
+    digest: str
+    valid_until: float
+
+
 def verify(settings: PushSettings, headers: Mapping[str, str], body: bytes,
-           now: float) -> None:
+           now: float) -> Verified:
     """Raise PushRejected (401) unless ``body`` carries a valid, fresh signature."""
     sig_name, ts_name = settings.signature_header, settings.timestamp_header
     supplied = headers.get(sig_name)
@@ -105,15 +128,21 @@ def verify(settings: PushSettings, headers: Mapping[str, str], body: bytes,
     if not ok:
         raise PushRejected(401, f"{sig_name} does not match the body (HMAC-SHA256 with the "
                                 "push secret)", "bad_signature")
+    tolerance = settings.timestamp_tolerance_s
     if stamp is not None:
         at = _timestamp(stamp)
         if at is None:
             raise PushRejected(401, f"{ts_name} must be a Unix time in seconds, got "
                                     f"{stamp[:40]!r}", "stale")
-        if abs(now - at) > settings.timestamp_tolerance_s:
+        if abs(now - at) > tolerance:
             raise PushRejected(401, f"{ts_name} is {abs(now - at):.0f} s away from now, beyond "
-                                    f"the {settings.timestamp_tolerance_s:g} s tolerance "
+                                    f"the {tolerance:g} s tolerance "
                                     "(a replay, or a clock off)", "stale")
+        if signed:
+            return Verified(expected.decode(), at + tolerance)
+    # An unsigned timestamp bounds nothing (a copy leaves it off): such a signature
+    # verifies forever, and is remembered for the tolerance from now.
+    return Verified(expected.decode(), now + tolerance)
 
 
 def _timestamp(text: str) -> float | None:
@@ -185,12 +214,114 @@ class PushHandler(Protocol):
     async def handle_pushed(self, delivery: Delivery) -> PushOutcome: ...
 
 
+@dataclass(slots=True)
+class _Seen:
+    expires: float
+    outcome: PushOutcome | None = None  # None: the first copy is still being worked
+    answered_at: float = 0.0
+
+
+class ReplayCache:
+    """Deliveries verified lately, by message ID and signature digest, for as long as the
+    signature verifies (a copy past that is refused as stale anyway). Bounded: past
+    ``capacity`` the oldest entry is forgotten (``cleanup_push_replay_evictions_total``);
+    a copy of a forgotten delivery is worked as a delivery of its own, which the in-flight
+    guard, the receive count per message and the poison rule's holder check still bound."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a replay cache needs room for one entry, got {capacity}")
+        self.capacity = capacity
+        # Insertion order: the front is the oldest, swept as it expires.
+        self._entries: OrderedDict[bytes, _Seen] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def key(delivery: Delivery, proof: Verified) -> bytes:
+        # A digest of the two, not the two: a message ID may be 500 characters.
+        return hashlib.blake2b(f"{delivery.message_id}\0{proof.digest}".encode(),
+                               digest_size=16).digest()
+
+    def answer(self, key: bytes, now: float) -> PushOutcome | None:
+        """The answer for a copy of a delivery seen before; None for a new one."""
+        self._sweep(now)
+        seen = self._entries.get(key)
+        if seen is None or seen.expires <= now:
+            return None
+        if seen.outcome is None:
+            return PushOutcome(503, "a copy of this delivery is being worked",
+                               REPLAY_BUSY_S, "replayed")
+        first = seen.outcome
+        if 200 <= first.status < 300:
+            return PushOutcome(first.status, first.detail, None, "replayed")
+        left = (first.retry_after_s or 0.0) - (now - seen.answered_at)
+        if left <= 0:
+            # The wait it was told is over: a copy now is as good as Infrai's redelivery.
+            del self._entries[key]
+            return None
+        return PushOutcome(first.status, first.detail, left, "replayed")
+
+    def begin(self, key: bytes, expires: float) -> _Seen:
+        """Remember a delivery about to be worked (copies meanwhile are told it is)."""
+        seen = _Seen(expires)
+        self._entries[key] = seen
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+            metrics.PUSH_REPLAY_EVICTIONS.inc()
+        return seen
+
+    def done(self, key: bytes, seen: _Seen, outcome: PushOutcome | None, now: float) -> None:
+        """The answer ``seen``'s delivery got; None (or an answer that wrote nothing):
+        forget it, so a copy is worked afresh."""
+        if outcome is None or outcome.result in _NOT_REMEMBERED:
+            if self._entries.get(key) is seen:
+                del self._entries[key]
+            return
+        seen.outcome, seen.answered_at = outcome, now
+
+    def _sweep(self, now: float) -> None:
+        # Entries expire in roughly insertion order (a signed timestamp is within the
+        # tolerance of its arrival); one behind an unexpired front waits its turn, and
+        # counts as absent meanwhile.
+        while self._entries:
+            oldest = next(iter(self._entries.values()))
+            if oldest.expires > now:
+                return
+            self._entries.popitem(last=False)
+
+
 @dataclass
 class PushReceiver:
-    """What the HTTP route needs: how to verify, and the pool each queue is pushed to."""
+    """What the HTTP route needs: how to verify, the pool each queue is pushed to, and
+    the deliveries seen lately (for the replays of one)."""
 
     settings: PushSettings
     handlers: Mapping[str, PushHandler] = field(default_factory=dict)
+    replays: ReplayCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.replays = ReplayCache(self.settings.replay_cache_entries)
+
+    async def deliver(self, handler: PushHandler, delivery: Delivery, proof: Verified,
+                      now: float) -> PushOutcome:
+        """Work a verified delivery, or answer a copy of one seen before without
+        touching the ledger: a replay counts no receive and sends nothing."""
+        key = self.replays.key(delivery, proof)
+        again = self.replays.answer(key, now)
+        if again is not None:
+            return again
+        seen = self.replays.begin(key, proof.valid_until)
+        outcome: PushOutcome | None = None
+        try:
+            outcome = await handler.handle_pushed(delivery)
+            return outcome
+        finally:
+            # Its wait is counted from the arrival, before the wait was decided: a copy
+            # that comes once the wait is over is never told to wait more.
+            self.replays.done(key, seen, outcome, now)
 
 
 class PushedQueue:

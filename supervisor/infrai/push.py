@@ -40,7 +40,8 @@ def push_settings(c: InfraiConfig) -> PushSettings:
                         scheme=c.push_signature_scheme,
                         timestamp_tolerance_s=c.push_timestamp_tolerance_seconds,
                         visibility_timeout_s=float(c.push_visibility_timeout),
-                        max_wait_s=c.push_max_wait_seconds)
+                        max_wait_s=c.push_max_wait_seconds,
+                        replay_cache_entries=c.push_replay_cache_entries)
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,9 +68,15 @@ class InfraiConfig:
     push_signature_prefix: str = "sha256="  # stripped when present; bare hex accepted too
     push_timestamp_header: str = "X-Infrai-Timestamp"
     # timestamp.body: HMAC-SHA256 of "<timestamp>." + body, the timestamp required and
-    # within the tolerance; body: of the raw body alone.
+    # within the tolerance; body: of the raw body alone, refused unless
+    # allow_unsigned_timestamp (nothing then dates a delivery: a captured one is valid
+    # forever, and only the replay cache's window stops its copies).
     push_signature_scheme: Literal["timestamp.body", "body"] = "timestamp.body"
+    allow_unsigned_timestamp: bool = False
     push_timestamp_tolerance_seconds: float = 300.0
+    # Deliveries remembered (about 150 bytes each) for the tolerance, so a copy of one is
+    # answered without being worked; past this many the oldest are forgotten (counted).
+    push_replay_cache_entries: int = 100_000
     push_visibility_timeout: int = 60  # the lease of one delivery, subscribed with it
     # A delivery the limiter would hold longer than this is answered 429 + Retry-After
     # at once instead of holding the connection (below push_visibility_timeout).
@@ -103,7 +109,13 @@ class InfraiConfig:
         if "{queue}" not in self.redrive_path:
             out.append(f"infrai.redrive_path must contain {{queue}}, got {self.redrive_path!r}")
         out += _positive("infrai", self, "push_timestamp_tolerance_seconds",
-                         "push_visibility_timeout", "push_max_wait_seconds")
+                         "push_visibility_timeout", "push_max_wait_seconds",
+                         "push_replay_cache_entries")
+        if self.push_signature_scheme == "body" and not self.allow_unsigned_timestamp:
+            out.append("infrai.push_signature_scheme = 'body' signs the body alone: the "
+                       "timestamp is unsigned, so there is no replay protection (a captured "
+                       "delivery is valid forever); use 'timestamp.body', or set "
+                       "infrai.allow_unsigned_timestamp = true to accept that")
         if self.push_max_wait_seconds >= self.push_visibility_timeout > 0:
             out.append(f"infrai.push_max_wait_seconds ({self.push_max_wait_seconds:g}) must be "
                        f"below infrai.push_visibility_timeout ({self.push_visibility_timeout})")

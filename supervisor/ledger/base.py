@@ -113,6 +113,9 @@ class Received:
 
     operation: Operation | None  # None: no such operation
     receives: int  # deliveries since the operation's last outcome, this one included
+    # How much longer someone holds the operation, as it arrived: an attempt's in-flight
+    # guard, or a retry wait not yet due. 0: nobody does.
+    held_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,10 +173,13 @@ class Ledger(Protocol):
         ``outbox``: the first publish, recorded only while the operation is still
         discovered (a consumer that had the message first keeps its bookkeeping)."""
 
-    async def note_received(self, deliveries: Sequence[Delivery],
-                            lease_s: float) -> list[Received]:
+    async def note_received(self, deliveries: Sequence[Delivery], lease_s: float,
+                            per_message: bool = False) -> list[Received]:
         """Count each delivery against its operation, as held for ``lease_s``; one
-        :class:`Received` per delivery, in order."""
+        :class:`Received` per delivery, in order. ``per_message``: a delivery of the
+        message counted last is not counted again (a transport that redelivers one message
+        over and over by itself, as Infrai's push does after its visibility timeout), and
+        becomes the operation's live message."""
 
     async def get_operation(self, operation_id: str) -> Operation | None: ...
 

@@ -212,10 +212,22 @@ RECORD_OUTBOX = (
     " published_at = $2, due_at = COALESCE(due_at, $3), updated_at = $2,"
     " state = 'queued' WHERE id = $4 AND state = 'discovered'"
 )
+# Returned with the count: how much longer the operation is held (an attempt's guard, a
+# retry not yet due), as this write saw it.
+_HELD_S = (
+    "GREATEST(0, CASE state WHEN 'in_flight' THEN COALESCE(busy_until, 0) - $1"
+    " WHEN 'retry_wait' THEN COALESCE(due_at, 0) - $1 ELSE 0 END)"
+)
 NOTE_RECEIVED = (
     "UPDATE operations SET receives = receives + 1, received_at = $1,"
     " leased_until = $2, message_id = COALESCE(message_id, $3) "
-    "WHERE id = $4 RETURNING receives"
+    f"WHERE id = $4 RETURNING receives, {_HELD_S}"
+)
+# Per message: a delivery of the message last counted counts nothing more, and is live.
+NOTE_RECEIVED_ONCE = (
+    "UPDATE operations SET receives = CASE WHEN receives > 0 AND message_id = $3"
+    " THEN receives ELSE receives + 1 END, received_at = $1, leased_until = $2,"
+    f" message_id = $3 WHERE id = $4 RETURNING receives, {_HELD_S}"
 )
 SETTLE_BOOKKEEPING = (
     "UPDATE operations SET receives = 0,"

@@ -200,21 +200,23 @@ class PostgresLedger:
 
         await self.db.write(write)
 
-    async def note_received(self, deliveries: Sequence[Delivery],
-                            lease_s: float) -> list[Received]:
-        async def write(conn: Conn) -> dict[int, int]:
+    async def note_received(self, deliveries: Sequence[Delivery], lease_s: float,
+                            per_message: bool = False) -> list[Received]:
+        statement = sql.NOTE_RECEIVED_ONCE if per_message else sql.NOTE_RECEIVED
+
+        async def write(conn: Conn) -> dict[int, tuple[int, float]]:
             now = time.time()
-            counted: dict[int, int] = {}
+            counted: dict[int, tuple[int, float]] = {}
             for i, d in enumerate(deliveries):
-                n = await conn.fetchval(sql.NOTE_RECEIVED, now, now + lease_s, d.message_id,
-                                        d.message.operation_id)
-                if n is not None:
-                    counted[i] = int(n)
+                row = await conn.fetchrow(statement, now, now + lease_s, d.message_id,
+                                          d.message.operation_id)
+                if row is not None:
+                    counted[i] = (int(row[0]), float(row[1]))
             return counted
 
         counted = await self.db.write(write)
         ops = await self.get_operations([d.message.operation_id for d in deliveries])
-        return [Received(ops.get(d.message.operation_id), counted.get(i, 0))
+        return [Received(ops.get(d.message.operation_id), *counted.get(i, (0, 0.0)))
                 for i, d in enumerate(deliveries)]
 
     async def get_operation(self, operation_id: str) -> Operation | None:

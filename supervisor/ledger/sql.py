@@ -255,10 +255,23 @@ RECORD_OUTBOX = (
 # whose ack was lost, a publish a killed process never recorded): every copy is the same
 # work, and the in-flight guard keeps it to one attempt. No message recorded yet makes
 # this one the live one.
+# Returned with the count: how much longer the operation is held (an attempt's guard, a
+# retry not yet due), as this write saw it.
+_HELD_S = (
+    "MAX(0, CASE state WHEN 'in_flight' THEN COALESCE(busy_until, 0) - :now"
+    " WHEN 'retry_wait' THEN COALESCE(due_at, 0) - :now ELSE 0 END)"
+)
 NOTE_RECEIVED = (
     "UPDATE operations SET receives = receives + 1, received_at = :now,"
     " leased_until = :until, message_id = COALESCE(message_id, :message_id) "
-    "WHERE id = :id RETURNING receives"
+    f"WHERE id = :id RETURNING receives, {_HELD_S}"
+)
+# Per message: a delivery of the message last counted (since the last outcome or move)
+# counts nothing more, and the delivery's message is the live one from now on.
+NOTE_RECEIVED_ONCE = (
+    "UPDATE operations SET receives = CASE WHEN receives > 0 AND message_id = :message_id"
+    " THEN receives ELSE receives + 1 END, received_at = :now, leased_until = :until,"
+    f" message_id = :message_id WHERE id = :id RETURNING receives, {_HELD_S}"
 )
 # After an outcome: the receive count starts again; a retry is due after its delay. With
 # a transport outside this database the old message is about to be acked (``clear``), so

@@ -195,23 +195,25 @@ class SqliteLedger(outbox.OutboxMixin):
 
         await self.db.write(write)
 
-    async def note_received(self, deliveries: Sequence[Delivery],
-                            lease_s: float) -> list[Received]:
-        async def write(conn: aiosqlite.Connection) -> dict[int, int]:
+    async def note_received(self, deliveries: Sequence[Delivery], lease_s: float,
+                            per_message: bool = False) -> list[Received]:
+        statement = sql.NOTE_RECEIVED_ONCE if per_message else sql.NOTE_RECEIVED
+
+        async def write(conn: aiosqlite.Connection) -> dict[int, tuple[int, float]]:
             now = time.time()
-            counted: dict[int, int] = {}
+            counted: dict[int, tuple[int, float]] = {}
             for i, d in enumerate(deliveries):
-                rows = list(await conn.execute_fetchall(sql.NOTE_RECEIVED, {
+                rows = list(await conn.execute_fetchall(statement, {
                     "now": now, "until": now + lease_s, "message_id": d.message_id,
                     "id": d.message.operation_id}))
                 if rows:
-                    counted[i] = int(rows[0][0])
+                    counted[i] = (int(rows[0][0]), float(rows[0][1]))
             return counted
 
         # Nothing is written before the first UPDATE can fail: no savepoint needed.
         counted = await self.db.write(write, savepoint=False)
         ops = await self.get_operations([d.message.operation_id for d in deliveries])
-        return [Received(ops.get(d.message.operation_id), counted.get(i, 0))
+        return [Received(ops.get(d.message.operation_id), *counted.get(i, (0, 0.0)))
                 for i, d in enumerate(deliveries)]
 
     async def get_operation(self, operation_id: str) -> Operation | None:

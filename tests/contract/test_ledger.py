@@ -844,6 +844,41 @@ class TestLedgerContract:
         [unknown] = await ledger.note_received([stray], 60)
         assert (unknown.operation, unknown.receives) == (None, 0)
 
+    async def test_per_message_a_message_delivered_again_counts_once(
+            self, transport: Backend) -> None:
+        """Infrai push redelivers a message by itself (after its visibility timeout): one
+        message, one receive. Another message of the operation counts, and is then the
+        live one; an outcome starts the count again. What holds the operation comes back
+        with the count: an attempt's guard, a retry not yet due."""
+        ledger = transport.ledger
+        _, [delivery] = await transported_run(ledger, ["a"])
+        m = delivery.message
+        again = [Delivery(m, delivery.message_id, f"receipt-{i}") for i in range(5)]
+        for d in [delivery, *again]:
+            [got] = await ledger.note_received([d], 60, per_message=True)
+            assert (got.receives, got.held_s) == (1, 0.0)
+        other = Delivery(m, "m-other", "receipt-other")
+        [got] = await ledger.note_received([other], 60, per_message=True)
+        assert got.receives == 2
+        [got] = await ledger.note_received([other], 60, per_message=True)
+        assert got.receives == 2
+        [got] = await ledger.note_received([delivery], 60, per_message=True)
+        assert got.receives == 3  # the other was counted last
+        # Without per_message every delivery counts (a pulled message's poison rule).
+        [got] = await ledger.note_received([delivery], 60)
+        assert got.receives == 4
+        attempt = await ledger.begin_attempt(m.operation_id, "delete", owner="receipt-1",
+                                             busy_s=30)
+        [got] = await ledger.note_received([again[0]], 60, per_message=True)
+        assert got.receives == 4
+        assert 25 < got.held_s <= 30  # the attempt's in-flight guard
+        await ledger.settle([Settlement(
+            m.operation_id, OpState.RETRY_WAIT, delivery, Disposition.RETRY, delay_s=50,
+            attempt_id=attempt, status=503, outcome="transient", detail="HTTP 503")])
+        [got] = await ledger.note_received([delivery], 60, per_message=True)
+        assert got.receives == 1  # counted again from the outcome
+        assert 45 < got.held_s <= 50  # the retry is not due
+
     async def test_stats(self, backend: Backend) -> None:
         ledger, queue = backend.ledger, backend.queue
         empty = await ledger.stats()

@@ -116,13 +116,15 @@ class Rig:
 
 @asynccontextmanager
 async def push_rig(tmp_path: Path, limits: LimitsConfig | None = None,
-                   max_wait_s: float = 5.0) -> AsyncIterator[Rig]:
+                   max_wait_s: float = 5.0, backoff_s: tuple[float, float] = (0.05, 0.2),
+                   ) -> AsyncIterator[Rig]:
     async with run_sandbox(SandboxConfig(recipients=N, absent_share=0.0,
                                          rate_per_second=0)) as sandbox:
         cfg = Config(service=ServiceConfig(data_dir=tmp_path, max_body_bytes=MAX_BODY),
                      queue=QueueConfig(poll_interval_seconds=0.05),
-                     partner=PartnerConfig(base_url=sandbox.url, backoff_initial_seconds=0.05,
-                                           backoff_max_seconds=0.2),
+                     partner=PartnerConfig(base_url=sandbox.url,
+                                           backoff_initial_seconds=backoff_s[0],
+                                           backoff_max_seconds=backoff_s[1]),
                      limits=limits or LimitsConfig(rate_per_second=200, concurrency=4))
         db = Database(cfg.ledger_path)
         await db.open()
@@ -292,12 +294,17 @@ async def test_a_duplicate_delivery_of_a_settled_operation_is_acked_without_a_ca
         rig: Rig) -> None:
     m = rig.messages[2]
     body = delivery_body(m)
-    assert (await rig.post(body))[0] == 200
+    now = int(time.time())
+    assert (await rig.post(body, signed(body, ts=str(now))))[0] == 200
     requests = rig.partner_requests()
-    # At-least-once: Infrai delivers it again (or the very request is replayed).
-    for again in (body, delivery_body(m, message_id="m-copy")):
-        status, _, doc = await rig.post(again)
+    # At-least-once: Infrai delivers it again (signed anew), or another copy of it.
+    copy = delivery_body(m, message_id="m-copy")
+    for again, headers in ((body, signed(body, ts=str(now + 1))), (copy, signed(copy))):
+        status, _, doc = await rig.post(again, headers)
         assert status == 200, doc
+    # The very request replayed: answered as it was, from memory, not even acked again.
+    status, _, doc = await rig.post(body, signed(body, ts=str(now)))
+    assert (status, doc["ok"]) == (200, True), doc
     assert rig.partner_requests() == requests
     assert rig.sandbox.state.executions_of(m.recipient_id) == 1
     assert rig.acked_in_state == [OpState.DELETED] * 3

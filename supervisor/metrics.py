@@ -76,6 +76,10 @@ PARTNER_RESPONSES = Counter(
 for _outcome in ("deleted", "already_absent", "failed"):
     OPERATIONS.labels(_outcome)
 PARTNER_RESPONSES.labels("429")
+PARTNER_HEADER_IGNORED = Counter(
+    "cleanup_partner_header_ignored",
+    "Rate-limit header values the partner sent that were ignored (unparseable, negative or "
+    "not finite), by header: pacing by them falls back to 429s.", ["header"])
 PARTNER_DURATION = Histogram(
     "cleanup_partner_request_duration_seconds", "Partner DELETE latency.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

@@ -34,7 +34,8 @@ class Cell:
     burst: float = 10.0  # bucket and gcra only; the windows count R x their length
     window_seconds: float | None = None  # sliding only
     retry_after_format: str = "seconds"  # seconds | fractional | http-date | none
-    ratelimit_headers: str = "none"  # none | ietf | x-ratelimit | x-ratelimit-epoch
+    # none | ietf | x-ratelimit | x-ratelimit-epoch | x-ratelimit-epoch-ms
+    ratelimit_headers: str = "none"
 
     def sandbox_args(self) -> list[str]:
         """The partner simulator's flags for this shape (the rate comes from the scenario)."""
@@ -74,6 +75,19 @@ CELLS: tuple[Cell, ...] = (
 )
 DEFAULT_CELL = CELLS[0]
 CELLS_BY_NAME = {c.name: c for c in CELLS}
+
+# One partner, a fixed window of R per second, in every way partners word it: how long
+# the wait is (X-RateLimit-Reset as seconds left, a Unix time in seconds or in
+# milliseconds; the IETF RateLimit t=; Retry-After in seconds or as an HTTP-date). The
+# dialects scenario runs over these, not the matrix.
+DIALECT_CELLS: tuple[Cell, ...] = (
+    Cell("xrl-seconds-left", "second", ratelimit_headers="x-ratelimit"),
+    Cell("xrl-epoch-s", "second", ratelimit_headers="x-ratelimit-epoch"),
+    Cell("xrl-epoch-ms", "second", ratelimit_headers="x-ratelimit-epoch-ms"),
+    Cell("ietf-t", "second", ratelimit_headers="ietf"),
+    Cell("retry-after-s", "second", retry_after_format="seconds"),
+    Cell("retry-after-date", "second", retry_after_format="http-date"),
+)
 
 
 def select_cells(spec: str | None) -> list[Cell]:

@@ -4,7 +4,10 @@ Default: every matrix scenario (known-limit, hidden-limit, hidden-limit-memory,
 changing-limit, storms) through the service over all 8 partner cells, hidden-limit and
 hidden-limit-memory being the two ticks of one run; the peers (cron alone, Celery +
 Redis; at most 15 s a run) on the default cell and on the service's worst cell of each
-scenario but hidden-limit-memory; then the growth benchmark (scan and publish of 10k,
+scenario but hidden-limit-memory; the header dialects (1,500 at a fixed window of 50/s,
+once per way of wording the wait: X-RateLimit-Reset as seconds left, epoch seconds or
+epoch milliseconds, IETF t=, Retry-After in seconds or as an HTTP-date; the service
+alone); then the growth benchmark (scan and publish of 10k,
 100k and 1M candidates). About 29 minutes when every cell is near its ideal.
 ``--full`` adds the scenarios with a partner of their own (minute-window,
 ratelimit-headers, capacity, minute-window-long) and the article's case (18,400 at 20/s,
@@ -34,6 +37,7 @@ from runner import estimate_s, run_scenarios, selected_tools
 from scenario import Result
 from scenarios import (
     BY_NAME,
+    DIALECTS,
     FULL_ONLY,
     MATRIX,
     OWN_PARTNER,
@@ -93,7 +97,7 @@ def main() -> int:
               quick=bool(opts.get("quick")))
         return 0
     scenarios_by_name = build(args.rate, args.quick)
-    names = [*MATRIX, *((*OWN_PARTNER, *FULL_ONLY) if args.full else ())]
+    names = [*MATRIX, *DIALECTS, *((*OWN_PARTNER, *FULL_ONLY) if args.full else ())]
     growth = not args.no_growth
     if args.only:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]

@@ -121,8 +121,10 @@ async def run_scenarios(scenarios: Sequence[Scenario], tools: Sequence[str],
         if sc.matrix:
             results += await run_matrix(sc, cells, tools, overrides, explicit_cells)
         else:
-            # A scenario about the service's own queue transport has no peer row.
-            for tool in tools if sc.queue == "sqlite" else [t for t in tools if t == "service"]:
+            # A scenario about the service's own queue transport, or about how it reads the
+            # partner's headers, has no peer row.
+            alone = sc.queue != "sqlite" or sc.service_only
+            for tool in [t for t in tools if t == "service"] if alone else tools:
                 results += await run_tool(sc, tool, overrides)
     return results
 
@@ -156,7 +158,7 @@ def estimate_s(scenarios: Sequence[Scenario], tools: Sequence[str],
             total += n_cells * sc.ticks * (1.05 * ideal + START_OVERHEAD_S)
             runs += n_cells
         peer_sc = sc.peer_scenario
-        if peer_sc is None or sc.queue != "sqlite":
+        if peer_sc is None or sc.queue != "sqlite" or sc.service_only:
             continue
         peer_n = min(2, n_cells) if sc.matrix else 1
         for tool in tools:

@@ -102,6 +102,8 @@ class Scenario:
     # ``infrai_latency_ms`` added to every call; the service alone runs it.
     queue: str = "sqlite"
     infrai_latency_ms: float = 20.0
+    # About how the service reads the partner (its header dialects): no peer row.
+    service_only: bool = False
 
     def on(self, cell: Cell) -> Scenario:
         return replace(self, cell=cell, tick_rows=tuple(t.on(cell) for t in self.tick_rows))

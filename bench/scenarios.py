@@ -19,6 +19,8 @@ The peers' runs in these scenarios stop after 15 s at most (ratio projected).
 
 Scenarios with a partner of their own (not run over the matrix; ``--full`` or by name):
 minute-window, ratelimit-headers, capacity, and the long ones minute-window-long, article.
+The dialects (``dialect-*``, run by ``make bench`` too): 1,500 at a fixed window of 50/s,
+ceiling 100/s, once per way the partner words its wait (matrix.DIALECT_CELLS).
 
 ``--quick`` scales N and every time by 0.2: a smoke run whose figures are not to be reported.
 """
@@ -32,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from matrix import Cell, select_cells
+from matrix import DIALECT_CELLS, Cell, select_cells
 from paths import OUT, TOOLS
 from processes import parse_overrides
 from report import environment, preamble, save, tables
@@ -111,6 +113,21 @@ def own_partner_scenarios() -> tuple[Scenario, ...]:
     return (minute_window, headers, capacity, infrai_known)
 
 
+def dialect_scenarios() -> tuple[Scenario, ...]:
+    """The issue's case, once per way of wording the wait: N = 1,500 against a fixed
+    window of 50/s, the ceiling twice that, so only what the partner says (a header, a
+    429's Retry-After) keeps the run on pace. Headers let it pace before any 429; a
+    Retry-After alone is a hidden limit found by 429s."""
+    out = []
+    for cell in DIALECT_CELLS:
+        told = cell.ratelimit_headers != "none"
+        out.append(Scenario(
+            f"dialect-{cell.name}", f"the wait worded as {cell.describe()}", n=1500,
+            partner_rate=50, ceiling=100, cell=cell, service_only=True,
+            target=Target(max_ratio=1.05 if told else 1.15)))
+    return tuple(out)
+
+
 def full_only_scenarios() -> tuple[Scenario, ...]:
     # Two whole aligned windows at the ceiling, where pacing 1 % fast would trip it.
     minute_long = Scenario(
@@ -138,7 +155,7 @@ def build(rate: float = DEFAULT_RATE, is_quick: bool = False) -> dict[str, Scena
     """Every scenario by name (the rows' names, hidden-limit too), at partner rate
     ``rate`` (matrix ones), scaled if quick."""
     scale = QUICK_SCALE if is_quick else 1.0
-    own = (*own_partner_scenarios(), *full_only_scenarios())
+    own = (*own_partner_scenarios(), *dialect_scenarios(), *full_only_scenarios())
     out: dict[str, Scenario] = {}
     for sc in (*matrix_scenarios(rate, scale), *(quick(s) if is_quick else s for s in own)):
         out.update({t.name: t for t in sc.tick_rows})
@@ -164,6 +181,7 @@ def row_names(scenarios: Sequence[Scenario]) -> list[str]:
 
 MATRIX = tuple(row_names(matrix_scenarios()))  # the rows; to_run makes them 4 runs
 OWN_PARTNER = tuple(sc.name for sc in own_partner_scenarios())
+DIALECTS = tuple(sc.name for sc in dialect_scenarios())
 FULL_ONLY = tuple(sc.name for sc in full_only_scenarios())
 BY_NAME = build()
 

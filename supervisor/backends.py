@@ -149,7 +149,8 @@ async def _open_sqlite(c: Config) -> Backends:
         # Under the data-dir lock every in-flight guard's owner is a previous life.
         await ledger.release_dead_owners()
         budget = LocalBudget(c.limits, key=c.partner.base_url, store=ledger,
-                             timeout_s=c.partner.request_timeout_seconds)
+                             timeout_s=c.partner.request_timeout_seconds,
+                             max_pause_s=c.partner.max_retry_after_seconds)
         await budget.start()
     except StorageError as exc:  # the ledger opened but its first reads or writes fail
         await _close_all(closers)
@@ -190,7 +191,8 @@ async def _open_postgres(c: Config) -> Backends:
                                 fence_s=c.ledger.dead_after_seconds / 2)
         budget = PostgresBudget(c.limits, key=c.partner.base_url, pool=db.pool, dsn=dsn,
                                 schema=c.ledger.schema,
-                                timeout_s=c.partner.request_timeout_seconds)
+                                timeout_s=c.partner.request_timeout_seconds,
+                                max_pause_s=c.partner.max_retry_after_seconds)
         closers.append(budget.close)
         await budget.start()
     except (StorageError, OSError) as exc:

@@ -1,4 +1,4 @@
-"""The ``cleanup-supervisor`` command: serve, demo, trigger, runs, check-config."""
+"""The ``cleanup-supervisor`` command: serve, demo, trigger, runs, budget, check-config."""
 
 from __future__ import annotations
 
@@ -271,6 +271,23 @@ def cmd_resolve(args: argparse.Namespace) -> int:
     return 0 if status < 300 else EXIT_RUNTIME
 
 
+def cmd_budget(args: argparse.Namespace) -> int:
+    """``budget show``: what holds the workers and the latest resumes; ``budget resume``:
+    lift the pause (``--forget-limit``: and the learnt limit), recorded with who and why."""
+    base = f"{args.url.rstrip('/')}/v1/budget"
+    if args.action == "show":
+        status, doc = run_async(_request("GET", base))
+    else:
+        if not args.by or not args.reason:
+            print("budget resume: --by and --reason are required (recorded in the ledger)",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        status, doc = run_async(_request("POST", f"{base}/resume", {
+            "by": args.by, "reason": args.reason, "forget_limit": args.forget_limit}))
+    print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+    return 0 if status < 300 else EXIT_RUNTIME
+
+
 def cmd_dlq_redrive(args: argparse.Namespace) -> int:
     """Move Infrai's dead-lettered messages back to the queue. Safe at any time: a message
     whose operation is settled is acked on sight."""
@@ -481,6 +498,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--by", required=True, help="who decided (recorded in the ledger)")
     s.add_argument("--reason", required=True, help="why (recorded in the ledger)")
     s.set_defaults(func=cmd_resolve)
+
+    s = sub.add_parser("budget", help="show the rate budget's pause and learnt limit, or "
+                                      "lift them (resume)")
+    s.add_argument("action", choices=["show", "resume"])
+    s.add_argument("--url", default=url_default)
+    s.add_argument("--by", help="resume: who decided (recorded in the ledger)")
+    s.add_argument("--reason", help="resume: why (recorded in the ledger)")
+    s.add_argument("--forget-limit", action="store_true",
+                   help="resume: also forget the limit learnt from 429s and headers")
+    s.set_defaults(func=cmd_budget)
     return p
 
 

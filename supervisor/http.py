@@ -18,6 +18,8 @@ from aiohttp import web
 from prometheus_async.aio.web import server_stats
 
 from supervisor import exclusions, metrics
+from supervisor.budget.base import RateBudget
+from supervisor.budget_api import add_budget_routes
 from supervisor.config import Config
 from supervisor.errors import IllegalTransition, StorageError
 from supervisor.ledger.base import Ledger, LedgerStats, Operation, Run
@@ -58,6 +60,8 @@ class ApiState:
     accepting: bool = True
     # Push delivery (POST /v1/push/{queue}); None: not configured, the route answers 404.
     push: PushReceiver | None = None
+    # The rate budget, for GET /v1/budget and its resume (supervisor/budget_api.py).
+    budget: RateBudget | None = None
 
 
 API = web.AppKey("api", ApiState)
@@ -504,6 +508,7 @@ def create_app(state: ApiState) -> web.Application:
     app.router.add_post("/v1/operations/{operation_id}/resolve", resolve_operation)
     app.router.add_get("/v1/exclusions", get_exclusions)
     app.router.add_post("/v1/push/{queue}", post_push)
+    add_budget_routes(app)  # GET /v1/budget, POST /v1/budget/resume
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)

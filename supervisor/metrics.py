@@ -76,6 +76,10 @@ PARTNER_RESPONSES = Counter(
 for _outcome in ("deleted", "already_absent", "failed"):
     OPERATIONS.labels(_outcome)
 PARTNER_RESPONSES.labels("429")
+PARTNER_HEADER_IGNORED = Counter(
+    "cleanup_partner_header_ignored",
+    "Rate-limit header values the partner sent that were ignored (unparseable, negative or "
+    "not finite), by header: pacing by them falls back to 429s.", ["header"])
 PARTNER_DURATION = Histogram(
     "cleanup_partner_request_duration_seconds", "Partner DELETE latency.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
@@ -114,6 +118,12 @@ REPLICAS_REAPED = Counter(
 LIVE_REPLICAS = Gauge("cleanup_replicas_live", "Replicas heartbeating in the registry.")
 
 
+# The policies that have a quota series now: one no longer in the budget's snapshot (a
+# partner-named policy evicted, or whose reset passed) loses its series, so the labels
+# stay as bounded as the budget's own memory of them (review L4).
+_quota_series: set[str] = set()
+
+
 def publish_budget(snapshot: Snapshot) -> None:
     """The rate budget's gauges, from one snapshot (the monitor calls this every second)."""
     state = snapshot.state
@@ -127,6 +137,12 @@ def publish_budget(snapshot: Snapshot) -> None:
     for quota in snapshot.quotas:
         LIMITER_QUOTA_REMAINING.labels(quota.name).set(quota.remaining)
         LIMITER_QUOTA_RESET.labels(quota.name).set(quota.resets_at)
+    names = {quota.name for quota in snapshot.quotas}
+    for gone in _quota_series - names:
+        LIMITER_QUOTA_REMAINING.remove(gone)
+        LIMITER_QUOTA_RESET.remove(gone)
+    _quota_series.intersection_update(names)
+    _quota_series.update(names)
 
 
 def count_settled(target: str) -> None:

@@ -154,6 +154,34 @@ DOCUMENT: dict[str, Any] = {
                               **_errors(400, 401, 404, 409, 413, 415)},
             },
         },
+        "/v1/budget": {
+            "get": {
+                "summary": "The rate budget: what holds the workers now, and the latest "
+                           "resumes",
+                "responses": {**_ok("the budget", {"$ref": "#/components/schemas/Budget"}),
+                              **_errors(401, 404)},
+            },
+        },
+        "/v1/budget/resume": {
+            "post": {
+                "summary": "An operator lifts the pause (and the partner's spent quotas), "
+                           "for every worker of every replica; recorded with who and why",
+                "description": (
+                    "forget_limit also forgets the limit learnt from 429s and the one the "
+                    "partner announced: pacing starts afresh at the ceiling. A partner "
+                    "that pauses again is obeyed again (for at most "
+                    "partner.max_retry_after_seconds)."),
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/Resume"}}}},
+                "responses": {
+                    **_ok("resumed", {"type": "object", "required": ["action", "budget"],
+                                      "properties": {
+                                          "action": {"$ref": "#/components/schemas/"
+                                                             "OperatorAction"},
+                                          "budget": {"$ref": "#/components/schemas/Budget"}}}),
+                    **_errors(400, 401, 404, 413, 415, 503)},
+            },
+        },
         "/v1/push/{queue}": {
             "post": {
                 "security": [],
@@ -304,6 +332,53 @@ DOCUMENT: dict[str, Any] = {
                 "properties": {"ok": {"type": "boolean"}, "message_id": {"type": "string"},
                                "operation_id": {"type": "string"},
                                "result": {"type": "string"}},
+            },
+            "Resume": {
+                "type": "object", "additionalProperties": False,
+                "required": ["by", "reason"],
+                "properties": {
+                    "by": {"type": "string", "minLength": 1, "maxLength": 500,
+                           "pattern": PRINTABLE},
+                    "reason": {"type": "string", "minLength": 1, "maxLength": 500,
+                               "pattern": PRINTABLE},
+                    "forget_limit": {"type": "boolean", "default": False},
+                },
+            },
+            "OperatorAction": {
+                "type": "object", "required": ["id", "at", "action", "by", "reason", "detail"],
+                "properties": {"id": {"type": "integer"}, "at": {"type": "number"},
+                               "action": {"type": "string"}, "by": {"type": "string"},
+                               "reason": {"type": "string"}, "detail": {"type": "object"}},
+            },
+            "Budget": {
+                "type": "object",
+                "required": ["partner", "rate_per_second", "ceiling_per_second", "paused",
+                             "paused_until", "held_for_seconds", "max_pause_seconds",
+                             "quotas"],
+                "properties": {
+                    "partner": {"type": "string"},
+                    "rate_per_second": {"type": "number"},
+                    "ceiling_per_second": {"type": "number"},
+                    "learnt_limit_per_second": _NUM_OR_NULL,
+                    "announced_limit_per_second": _NUM_OR_NULL,
+                    "strict_pacing": {"type": "boolean"},
+                    "paused": {"type": "boolean"},
+                    "paused_until": _NUM_OR_NULL,
+                    "pause_reason": _STR_OR_NULL,
+                    "held_for_seconds": {"type": "number", "minimum": 0},
+                    "max_pause_seconds": {"type": "number"},
+                    "resumed_at": _NUM_OR_NULL,
+                    "quotas": {"type": "array", "items": {
+                        "type": "object",
+                        "required": ["name", "limit", "window_seconds", "remaining"],
+                        "properties": {"name": {"type": "string"},
+                                       "limit": {"type": "integer"},
+                                       "window_seconds": {"type": "number"},
+                                       "remaining": {"type": "integer"},
+                                       "resets_at": _NUM_OR_NULL}}},
+                    "operator_actions": {"type": "array", "items": {
+                        "$ref": "#/components/schemas/OperatorAction"}},
+                },
             },
             "Resolution": {
                 "type": "object", "additionalProperties": False,

@@ -13,13 +13,14 @@ import logging
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import quote
 
 import aiohttp
 from yarl import URL
 
+from supervisor import metrics
 from supervisor.budget.base import Policy
 from supervisor.config import PartnerConfig
 
@@ -55,10 +56,21 @@ class Presence(enum.Enum):
     UNKNOWN = "unknown"
 
 
-def parse_retry_after(value: str | None, now: float, maximum: float) -> float | None:
+# Ignored header values are reported here: (header, why). The partner client counts and
+# logs them; other callers (Infrai's client, the sinks) need not.
+Ignored = Callable[[str, str], None]
+
+
+def _ignore(on_ignored: Ignored | None, header: str, why: str) -> None:
+    if on_ignored is not None:
+        on_ignored(header, why)
+
+
+def parse_retry_after(value: str | None, now: float, maximum: float,
+                      on_ignored: Ignored | None = None) -> float | None:
     """Seconds to wait from a Retry-After (delay-seconds or HTTP-date, RFC 9110 §10.2.3).
 
-    None when absent or unparseable; clamped to [0, maximum].
+    None when absent or unparseable (reported to ``on_ignored``); clamped to [0, maximum].
     """
     if value is None:
         return None
@@ -69,13 +81,44 @@ def parse_retry_after(value: str | None, now: float, maximum: float) -> float | 
         try:
             when = email.utils.parsedate_to_datetime(value)
         except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:  # RFC 9110 dates are GMT
+            when = None
+        if when is None or when.tzinfo is None:  # RFC 9110 dates are GMT
+            _ignore(on_ignored, "Retry-After", "neither delay-seconds nor an HTTP-date")
             return None
         seconds = when.timestamp() - now
-    if seconds != seconds:  # NaN
+    if not math.isfinite(seconds):
+        _ignore(on_ignored, "Retry-After", "not a finite number")
         return None
     return min(max(seconds, 0.0), maximum)
+
+
+# A Unix time past this is in milliseconds (it is the year 5138 in seconds), as push.py
+# decides for timestamps; past _EPOCH_FROM it is in seconds (2001): a delay that long
+# (31 years) is no delay anyone means.
+_MILLIS_FROM = 1e11
+_EPOCH_FROM = 1e9
+# At most this many policies are read from one field: a partner (or a middlebox) that
+# sends thousands must not make every answer cost thousands of steps.
+MAX_POLICIES_PER_FIELD = 16
+# A policy name becomes a metric label value: only these characters, this long.
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:-]")
+MAX_NAME = 64
+
+
+def reset_seconds(value: float, now: float) -> float:
+    """Seconds until a reset given as seconds left, a Unix time in seconds or one in
+    milliseconds, told apart by magnitude; a time already past is 0."""
+    if value > _MILLIS_FROM:
+        return max(0.0, value / 1000.0 - now)
+    if value > _EPOCH_FROM:
+        return max(0.0, value - now)
+    return value
+
+
+def policy_name(raw: str, fallback: str) -> str:
+    """A partner's policy name as a bounded, label-safe string."""
+    name = _NAME_CHARS.sub("_", raw)[:MAX_NAME]
+    return name or fallback
 
 
 def _params(item: str) -> dict[str, str]:
@@ -86,64 +129,95 @@ def _params(item: str) -> dict[str, str]:
     return out
 
 
-def _number(value: str | None) -> float | None:
+def _number(value: str | None, header: str = "",
+            on_ignored: Ignored | None = None) -> float | None:
+    """A finite number >= 0; None when absent, and when not one (reported)."""
     if value is None:
         return None
     try:
         number = float(value)
     except ValueError:
+        _ignore(on_ignored, header, "not a number")
         return None
-    return number if number >= 0 and math.isfinite(number) else None
+    if not math.isfinite(number):
+        _ignore(on_ignored, header, "not a finite number")
+        return None
+    if number < 0:
+        _ignore(on_ignored, header, "negative")
+        return None
+    return number
 
 
-def parse_policies(headers: Mapping[str, str], now: float) -> tuple[Policy, ...]:
+def _items(value: str) -> list[str]:
+    return [item for item in value.split(",") if item.strip()][:MAX_POLICIES_PER_FIELD]
+
+
+def _clamp(reset: float | None, window: float | None, maximum: float) -> float | None:
+    """A quota's reset no later than its window (when known) and the longest pause."""
+    if reset is None:
+        return None
+    return min(reset, window if window is not None else math.inf, maximum)
+
+
+def parse_policies(headers: Mapping[str, str], now: float, maximum: float = math.inf,
+                   on_ignored: Ignored | None = None) -> tuple[Policy, ...]:
     """The partner's rate-limit policies, from whichever header family it sends.
 
     * IETF draft 10/11: ``RateLimit-Policy: "burst";q=100;w=1, "day";q=50000;w=86400``
       (several policies in one field) and ``RateLimit: "day";r=12;t=3600``; also the older
       drafts' ``RateLimit-Policy: 100;w=60`` with ``RateLimit-Remaining/-Reset``.
     * ``X-RateLimit-Limit/-Remaining/-Reset``: one policy with no window. ``-Reset`` is
-      seconds until the reset, or a Unix time when it is that large (GitHub). No window is
-      sent: a reset within a second makes it a per-second pace, anything further a quota
-      that holds everyone once spent.
+      seconds until the reset, or a Unix time in seconds (GitHub) or milliseconds when it
+      is that large. No window is sent: a reset within a second makes it a per-second
+      pace, anything further a quota that holds everyone once spent.
 
-    Unparseable parts are ignored: pacing then falls back to 429s.
+    Every reset is read by magnitude the same way, and clamped to its policy's window
+    where that is known and to ``maximum`` (``partner.max_retry_after_seconds``) always:
+    no header can hold the workers longer than a Retry-After could. Unparseable,
+    negative or non-finite values are ignored (reported to ``on_ignored``): pacing then
+    falls back to 429s.
     """
+    def number(value: str | None, header: str) -> float | None:
+        return _number(value, header, on_ignored)
+
+    def reset(value: str | None, header: str) -> float | None:
+        seconds = number(value, header)
+        return None if seconds is None else reset_seconds(seconds, now)
+
     out: dict[str, Policy] = {}
     state: dict[str, tuple[float | None, float | None]] = {}
-    for item in headers.get("RateLimit", "").split(","):
-        if item.strip():
-            name = item.split(";")[0].strip().strip('"') or "default"
-            params = _params(item)
-            state[name] = (_number(params.get("r")), _number(params.get("t")))
-    old = (_number(headers.get("RateLimit-Remaining")), _number(headers.get("RateLimit-Reset")))
-    for i, item in enumerate(headers.get("RateLimit-Policy", "").split(",")):
-        if not item.strip():
-            continue
+    for item in _items(headers.get("RateLimit", "")):
+        name = policy_name(item.split(";")[0].strip().strip('"'), "default")
+        params = _params(item)
+        state[name] = (number(params.get("r"), "RateLimit"), reset(params.get("t"), "RateLimit"))
+    old = (number(headers.get("RateLimit-Remaining"), "RateLimit-Remaining"),
+           reset(headers.get("RateLimit-Reset"), "RateLimit-Reset"))
+    for i, item in enumerate(_items(headers.get("RateLimit-Policy", ""))):
         params = _params(item)
         head = item.split(";")[0].strip()
         if "q" in params:
-            name, quota = head.strip('"') or f"policy-{i}", _number(params.get("q"))
+            name = policy_name(head.strip('"'), f"policy-{i}")
+            quota = number(params.get("q"), "RateLimit-Policy")
         else:
-            name, quota = "default", _number(head)
-        window = _number(params.get("w", "1"))
+            name, quota = "default", number(head, "RateLimit-Policy")
+        window = number(params.get("w", "1"), "RateLimit-Policy")
         if quota is None or not window:
             continue
-        remaining, reset = state.get(name, old if "q" not in params else (None, None))
+        remaining, until = state.get(name, old if "q" not in params else (None, None))
         out[name] = Policy(name, int(quota), window,
-                           None if remaining is None else int(remaining), reset)
-    limit = _number(headers.get("X-RateLimit-Limit"))
+                           None if remaining is None else int(remaining),
+                           _clamp(until, window, maximum))
+    limit = number(headers.get("X-RateLimit-Limit"), "X-RateLimit-Limit")
     if limit:
-        remaining = _number(headers.get("X-RateLimit-Remaining"))
-        reset = _number(headers.get("X-RateLimit-Reset"))
-        if reset is not None and reset > 1e9:  # a Unix time, not a delay
-            reset = max(0.0, reset - now)
+        remaining = number(headers.get("X-RateLimit-Remaining"), "X-RateLimit-Remaining")
+        until = _clamp(reset(headers.get("X-RateLimit-Reset"), "X-RateLimit-Reset"), None,
+                       maximum)
         # The window is not sent. A reset within a second is a per-second limit, a pace;
         # anything further is a budget to spend until the reset (its window is unknown:
         # a reset 30 s away may be the middle of a minute, so limit / reset is no pace).
-        window = 1.0 if reset is not None and reset <= 1 else 86400.0
+        window = 1.0 if until is not None and until <= 1 else 86400.0
         out["x-ratelimit"] = Policy("x-ratelimit", int(limit), window,
-                                    None if remaining is None else int(remaining), reset)
+                                    None if remaining is None else int(remaining), until)
     return tuple(out.values())
 
 
@@ -169,6 +243,30 @@ def recipient_path(template: str, recipient_id: str) -> str:
     return template.replace("{recipient_id}", encoded)
 
 
+class IgnoredHeaders:
+    """Counts every header value the parsers ignore, and says so in the log at most once
+    per header every ``LOG_EVERY_S`` (a partner sending garbage on every answer must not
+    flood the log), with how many were ignored since."""
+
+    LOG_EVERY_S = 60.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._logged_at: dict[str, float] = {}
+        self._since: dict[str, int] = {}
+
+    def __call__(self, header: str, why: str) -> None:
+        metrics.PARTNER_HEADER_IGNORED.labels(header).inc()
+        self._since[header] = self._since.get(header, 0) + 1
+        now = self._clock()
+        if now - self._logged_at.get(header, -math.inf) < self.LOG_EVERY_S:
+            return
+        self._logged_at[header] = now
+        count = self._since.pop(header)
+        log.warning("partner header %s ignored: %s (%d ignored since the last such line)",
+                    header, why, count, extra={"action": "partner_header_ignored"})
+
+
 class PartnerClient:
     """DELETE with Bearer token and ``Idempotency-Key``; one pooled session for all workers."""
 
@@ -177,6 +275,7 @@ class PartnerClient:
         self._pool_size = pool_size
         self._session: aiohttp.ClientSession | None = None
         self._base = config.base_url.rstrip("/")
+        self._ignored = IgnoredHeaders()
 
     async def start(self) -> None:
         headers = {"User-Agent": "cleanup-supervisor"}
@@ -214,8 +313,9 @@ class PartnerClient:
             async with self._session.delete(url, headers=headers,
                                             allow_redirects=False) as resp:
                 await resp.content.read(MAX_BODY_BYTES)
-                retry_after = parse_retry_after(resp.headers.get("Retry-After"), time.time(),
-                                                self.config.max_retry_after_seconds)
+                now, maximum = time.time(), self.config.max_retry_after_seconds
+                retry_after = parse_retry_after(resp.headers.get("Retry-After"), now, maximum,
+                                                self._ignored)
                 verdict = classify(resp.status, retry_after)
                 detail = f"HTTP {resp.status}"
                 if resp.headers.get("Idempotent-Replayed", "").lower() == "true":
@@ -223,7 +323,7 @@ class PartnerClient:
                 h = resp.headers
                 policies: tuple[Policy, ...] = ()
                 if "RateLimit-Policy" in h or "X-RateLimit-Limit" in h:
-                    policies = parse_policies(h, time.time())
+                    policies = parse_policies(h, now, maximum, self._ignored)
                 return Answer(verdict, resp.status, detail, retry_after,
                               time.monotonic() - started, policies)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:

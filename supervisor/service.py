@@ -130,7 +130,7 @@ class Service:
                        runs_changed=runs_changed, current_rate=lambda: budget.snapshot().rate,
                        projected_finish=lambda n, now: budget.snapshot().projected_finish(n, now),
                        ledger_stats=lambda: monitor.last_stats,
-                       push=push)
+                       push=push, budget=budget)
         # Every handler is answered by the time the runner is cleaned up (long-polls end at
         # the drain's start); the bound is for one that is not (a client reading slowly).
         runner = web.AppRunner(create_app(api), access_log=None, handle_signals=False,

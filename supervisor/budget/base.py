@@ -126,7 +126,13 @@ class RateBudget(Protocol):
         """The answer to a granted request: frees its slot and feeds the policy."""
 
     def pause(self, until: float, reason: str) -> None:
-        """Hold every worker until the wall-clock time ``until``."""
+        """Hold every worker until the wall-clock time ``until`` (at most the longest pause,
+        ``partner.max_retry_after_seconds``, from now)."""
+
+    def resume(self, forget_limit: bool = False) -> None:
+        """An operator lifts the pause (and the partner's spent quotas) for every worker
+        (of every replica); with ``forget_limit`` also the limit learnt from 429s and
+        headers. :meth:`save` makes it durable."""
 
     def snapshot(self) -> Snapshot: ...
 

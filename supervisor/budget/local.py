@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from aiolimiter import AsyncLimiter
 
 from supervisor.budget import policy
+from supervisor.budget.announced import PACE_WINDOW_S, Announced
 from supervisor.budget.base import Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
 from supervisor.budget.concurrency import GradientLimit
 from supervisor.budget.policy import BudgetState, PolicyConfig
@@ -33,8 +34,7 @@ from supervisor.config import LimitsConfig
 
 log = logging.getLogger(__name__)
 
-# A rate policy with a window this long or shorter is a pace; longer, a quota to spend.
-PACE_WINDOW_S = 60.0
+__all__ = ["PACE_WINDOW_S", "LocalBudget", "tune_bucket"]
 
 
 class MemoryStore(Protocol):
@@ -61,8 +61,9 @@ class LocalBudget:
     """The budget of one process. Construct it anywhere; it binds to the loop on first use."""
 
     def __init__(self, limits: LimitsConfig, key: str, store: MemoryStore | None = None,
-                 clock: Callable[[], float] = time.time, timeout_s: float = math.inf) -> None:
-        self.cfg = PolicyConfig.from_limits(limits)
+                 clock: Callable[[], float] = time.time, timeout_s: float = math.inf,
+                 max_pause_s: float = 900.0) -> None:
+        self.cfg = PolicyConfig.from_limits(limits, max_pause_s)
         self.key = key
         self._burst = limits.burst
         self._store = store
@@ -75,9 +76,7 @@ class LocalBudget:
         self._in_flight = 0
         self._slot_free: asyncio.Event | None = None
         self._quotas = [RollingQuota(q.name, q.limit, q.period_seconds) for q in limits.quotas]
-        # The partner's longer policies, by name, with when each was announced (its reset
-        # counts from then).
-        self._announced: dict[str, tuple[Policy, float]] = {}
+        self._announced = Announced(max_pause_s)
         self._saving: asyncio.Task[None] | None = None
         self._bound_logged = False
 
@@ -95,6 +94,11 @@ class LocalBudget:
         except (TypeError, ValueError):
             log.warning("budget memory for %s unreadable; starting fresh", self.key)
             return
+        if policy.overlong(self.cfg, memory, now):
+            log.warning("budget memory for %s holds a pause until %s, %.0f s away: longer than "
+                        "any pause may last (partner.max_retry_after_seconds = %g); dropped",
+                        self.key, _fmt(memory.paused_until), memory.paused_until - now,
+                        self.cfg.max_pause_s, extra={"action": "budget_pause_dropped"})
         self._set(policy.remembered(self.cfg, memory, now), save=False)
         for quota in self._quotas:
             quota.restore(data.get("quotas", {}).get(quota.name), now)
@@ -201,17 +205,15 @@ class LocalBudget:
     def pause(self, until: float, reason: str) -> None:
         self._set(policy.step(self.cfg, self._state, policy.Pause(until, reason), self._clock()))
 
+    def resume(self, forget_limit: bool = False) -> None:
+        self._set(policy.step(self.cfg, self._state, policy.Resume(forget_limit),
+                              self._clock()))
+
     def _learn(self, policies: tuple[Policy, ...], now: float) -> None:
-        paces = [p.limit / p.window_s for p in policies if p.window_s <= PACE_WINDOW_S]
-        self._set(policy.step(self.cfg, self._state,
-                              policy.Announce(min(paces) if paces else None), now))
-        for p in policies:
-            if p.window_s > PACE_WINDOW_S or not paces:
-                self._announced[p.name] = (p, now)
-                # Spent: everyone waits for the reset. Pacing by a short policy keeps its
-                # remaining near 0 all the time, so only longer ones (or a lone one) hold.
-                if p.remaining is not None and p.remaining < 1 and p.reset_s:
-                    self.pause(now + p.reset_s, f"quota {p.name} exhausted")
+        announce, pauses = self._announced.learn(policies, now)
+        self._set(policy.step(self.cfg, self._state, announce, now))
+        for pause in pauses:
+            self._set(policy.step(self.cfg, self._state, pause, now))
 
     def _bound_check(self) -> None:
         bound = self._concurrency.bounds(self._state.rate)
@@ -230,8 +232,9 @@ class LocalBudget:
             self._changed.set()  # waiters in ready() re-read the hold
         if (old.rate, old.strict) != (state.rate, state.strict):
             self._tune()
-        # What a restart must not forget: a pause in force, a limit learnt.
-        if save and (old.paused_until, old.w_max) != (state.paused_until, state.w_max):
+        # What a restart must not forget: a pause in force (or lifted), a limit learnt.
+        if save and (old.paused_until, old.w_max, old.resumed_at) != (
+                state.paused_until, state.w_max, state.resumed_at):
             self._save_soon()
 
     def _tune(self, empty: bool = False) -> None:
@@ -242,10 +245,7 @@ class LocalBudget:
         now = self._clock()
         views = [QuotaView(q.name, q.limit, q.window_s, q.remaining(now), q.resets_at(now))
                  for q in self._quotas]
-        for p, at in self._announced.values():
-            if p.remaining is None or p.reset_s is None or now > at + p.reset_s:
-                continue
-            views.append(QuotaView(p.name, p.limit, p.window_s, p.remaining, at + p.reset_s))
+        views += self._announced.views(now, self._state.resumed_at)
         return Snapshot(state=self._state, ceiling=self.cfg.ceiling,
                         concurrency_limit=self._concurrency.value,
                         concurrency_max=self._concurrency.maximum, in_flight=self._in_flight,

@@ -81,7 +81,7 @@ class Pending:
     ``paced_cut`` is the ``cut_at`` of the state its request was paced under, as the
     replica knew it (None: not known, its ``sent_at`` decides alone)."""
 
-    event: policy.Throttle | policy.Announce | policy.Pause
+    event: policy.Throttle | policy.Announce | policy.Pause | policy.Resume
     now: float
     paced_cut: float | None = None
 
@@ -144,6 +144,11 @@ def with_events(cfg: PolicyConfig, row: Row, batch: list[Pending], now: float) -
         after = apply(cfg, after, pending)
     if after == before:
         return None
+    if any(isinstance(p.event, policy.Resume) for p in batch):
+        # The pause lifted: the next slot is now, not where the pause had moved it; what
+        # was reserved for after the pause is void.
+        next_at = max(after.paused_until, now)
+        return Change(state=after.to_dict(), next_at=next_at, void=True, notify=True)
     if not voids(cfg, before, after, now):
         return Change(state=after.to_dict(), notify=True)
     next_at = max(after.paused_until, now + 1.0 / policy.curve(cfg, after, now))
@@ -159,11 +164,13 @@ def restored(quota: RollingQuota, row: Row, now: float) -> RollingQuota:
 
 def new_life(cfg: PolicyConfig, row: Row, quotas: list[RollingQuota], now: float) -> Change:
     """policy.remembered on the row, by the first replica of a new life: a learnt limit
-    drifts back, a pause in force is kept (and no slot starts before it ends)."""
+    drifts back, a pause in force is kept (and no slot starts before it ends), one longer
+    than any pause may be is dropped (and the slots with it)."""
     state = policy.remembered(cfg, parse(row.state) or policy.initial(cfg), now)
+    next_at = row.next_at if row.next_at <= now + cfg.max_pause_s else now
     return Change(state=state.to_dict(), void=True,
                   quotas={q.name: restored(q, row, now).to_list() for q in quotas},
-                  next_at=max(row.next_at, state.paused_until))
+                  next_at=max(next_at, state.paused_until))
 
 
 def notified(payload: str) -> tuple[str | None, int | None, Row | None]:

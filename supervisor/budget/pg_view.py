@@ -192,7 +192,8 @@ class SharedView:
 
     # -- writing the row -------------------------------------------------------------
 
-    def event(self, event: policy.Throttle | policy.Announce | policy.Pause, now: float,
+    def event(self, event: policy.Throttle | policy.Announce | policy.Pause | policy.Resume,
+              now: float,
               paced_cut: float | None = None) -> None:
         """Apply ``event`` here at once, and to the row soon."""
         pending = Pending(event, now, paced_cut)

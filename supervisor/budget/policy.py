@@ -36,11 +36,16 @@ The policy, and why:
   429 without one pauses everyone for our own backoff, 0.1 s doubling per 429 in a row. A
   pause of ``long_pause_s`` or more (0 = never) is the partner's own pause (maintenance,
   a window), not a rate signal: the rate is kept.
+* **Every pause is bounded**: none ends later than ``max_pause_s``
+  (``partner.max_retry_after_seconds``) from when it began, whatever a header said.
+* **An operator can lift a pause** (:class:`Resume`), and with it forget what was learnt:
+  the state starts afresh at the ceiling.
 * **Memory**: :func:`remembered` starts a new run from what an earlier one learnt, capped
   by the ceiling and drifting back towards it with ``half_life_s``. It trusts a plateau
   that held (``VERIFIED_AFTER`` recovery periods without a 429) and starts a step under one
   that never did. A pause in force is kept, so a restart during a 900 s pause sends
-  nothing before it ends.
+  nothing before it ends; one ending later than ``max_pause_s`` from the restart (saved
+  by a release that did not bound pauses, or by a clock that jumped) is dropped.
 """
 
 from __future__ import annotations
@@ -83,9 +88,11 @@ class PolicyConfig:
     max_probe_s: float
     long_pause_s: float
     half_life_s: float
+    # No pause ends later than this after it began (partner.max_retry_after_seconds).
+    max_pause_s: float = 900.0
 
     @classmethod
-    def from_limits(cls, limits: LimitsConfig) -> PolicyConfig:
+    def from_limits(cls, limits: LimitsConfig, max_pause_s: float = 900.0) -> PolicyConfig:
         return cls(
             ceiling=limits.rate_per_second,
             floor=min(limits.floor_per_second, limits.rate_per_second),
@@ -97,6 +104,7 @@ class PolicyConfig:
             max_probe_s=max(limits.probe_seconds, limits.max_probe_seconds),
             long_pause_s=limits.long_pause_seconds,
             half_life_s=limits.memory_half_life_seconds,
+            max_pause_s=max_pause_s,
         )
 
 
@@ -117,6 +125,7 @@ class BudgetState:
     blind: int = 0  # 429s in a row without a Retry-After: our own backoff doubles
     last_cut: str = ""  # edge | lower | probe: what the last 429 was taken for
     verified: float | None = None  # a plateau that held for 2 x recovery_s: memory trusts it
+    resumed_at: float = 0.0  # when an operator last lifted the pause: older holds are void
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,7 +164,15 @@ class Pause:
     reason: str
 
 
-Event = Success | Throttle | Announce | Pause
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """An operator lifts the pause; with ``forget_limit`` also what was learnt (the limit
+    from 429s, the partner's announced one, strict pacing): the rate starts afresh."""
+
+    forget_limit: bool = False
+
+
+Event = Success | Throttle | Announce | Pause | Resume
 
 
 def top(cfg: PolicyConfig, s: BudgetState) -> float:
@@ -181,11 +198,13 @@ def remembered(cfg: PolicyConfig, memory: BudgetState, now: float) -> BudgetStat
     since raised its limit is not held low for ever; a pause in force is kept.
     """
     fresh = initial(cfg)
-    paused_until = memory.paused_until if memory.paused_until > now else 0.0
+    kept = now < memory.paused_until and not overlong(cfg, memory, now)
+    paused_until = memory.paused_until if kept else 0.0
     pause_reason = memory.pause_reason if paused_until else ""
     if memory.w_max is None:
         return replace(fresh, paused_until=paused_until, pause_reason=pause_reason,
-                       strict=memory.strict, announced=memory.announced)
+                       strict=memory.strict, announced=memory.announced,
+                       resumed_at=memory.resumed_at)
     # A plateau that never held long enough may still be a little high: start a step under.
     learnt = memory.verified if memory.verified is not None else memory.w_max * PROBE_BACK
     age = max(0.0, now - memory.learnt_at)
@@ -193,12 +212,18 @@ def remembered(cfg: PolicyConfig, memory: BudgetState, now: float) -> BudgetStat
     w_max = cfg.ceiling - (cfg.ceiling - min(learnt, cfg.ceiling)) * drift
     s = replace(fresh, strict=memory.strict, announced=memory.announced,
                 paused_until=paused_until, pause_reason=pause_reason,
-                learnt_at=memory.learnt_at, probe_s=cfg.max_probe_s)
+                learnt_at=memory.learnt_at, probe_s=cfg.max_probe_s,
+                resumed_at=memory.resumed_at)
     w_max = max(cfg.floor, min(w_max, top(cfg, s)))
     # Hold the remembered plateau, then probe as slowly as a confirmed limit: the drift
     # across runs, not a probe within one, is what brings the rate back to the ceiling.
     return replace(s, w_max=w_max, cut_to=w_max, cut_at=now, rate=w_max, verified=w_max,
                    last_cut="probe")
+
+
+def overlong(cfg: PolicyConfig, s: BudgetState, now: float) -> bool:
+    """Whether the pause in ``s`` ends later than any pause begun at ``now`` could."""
+    return s.paused_until > now + cfg.max_pause_s
 
 
 def step(cfg: PolicyConfig, s: BudgetState, event: Event, now: float) -> BudgetState:
@@ -208,7 +233,15 @@ def step(cfg: PolicyConfig, s: BudgetState, event: Event, now: float) -> BudgetS
         return _throttle(cfg, s, event, now)
     if isinstance(event, Announce):
         return _announce(cfg, s, event, now)
-    return _pause(s, event.until, event.reason)
+    if isinstance(event, Resume):
+        return _resume(cfg, s, event, now)
+    return _pause(cfg, s, event.until, event.reason, now)
+
+
+def _resume(cfg: PolicyConfig, s: BudgetState, ev: Resume, now: float) -> BudgetState:
+    if ev.forget_limit:
+        return replace(initial(cfg), resumed_at=now)
+    return replace(s, paused_until=0.0, pause_reason="", blind=0, resumed_at=now)
 
 
 def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
@@ -251,12 +284,13 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
         s = _cut(cfg, s, now)
     if ev.retry_after_s is not None:
         if ev.retry_after_s > 0:
-            s = _pause(s, now + ev.retry_after_s, "retry-after")
+            s = _pause(cfg, s, now + ev.retry_after_s, "retry-after", now)
         return replace(s, blind=0)
     # No Retry-After: the partner gave no time, so everyone backs off on our own clock,
     # doubling while the 429s keep coming (a pause it imposes without saying how long).
     backoff = min(BLIND_MAX_S, BLIND_BASE_S * 2.0 ** s.blind)
-    return replace(_pause(s, now + backoff, "429 without retry-after"), blind=s.blind + 1)
+    return replace(_pause(cfg, s, now + backoff, "429 without retry-after", now),
+                   blind=s.blind + 1)
 
 
 def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
@@ -327,7 +361,11 @@ def _announce(cfg: PolicyConfig, s: BudgetState, ev: Announce, now: float) -> Bu
     return s
 
 
-def _pause(s: BudgetState, until: float, reason: str) -> BudgetState:
-    if until <= s.paused_until or not math.isfinite(until):
+def _pause(cfg: PolicyConfig, s: BudgetState, until: float, reason: str,
+           now: float) -> BudgetState:
+    if not math.isfinite(until):
+        return s
+    until = min(until, now + cfg.max_pause_s)
+    if until <= s.paused_until:
         return s
     return replace(s, paused_until=until, pause_reason=reason)

@@ -58,9 +58,9 @@ import asyncpg
 
 from supervisor import pg
 from supervisor.budget import policy
+from supervisor.budget.announced import Announced
 from supervisor.budget.base import Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
 from supervisor.budget.concurrency import GradientLimit
-from supervisor.budget.local import PACE_WINDOW_S
 from supervisor.budget.pg_listen import Listener
 from supervisor.budget.pg_row import MIGRATIONS, BudgetTable, Change, Row, live, new_life, parse
 from supervisor.budget.pg_slots import Block, SlotBook
@@ -97,8 +97,8 @@ class PostgresBudget:
 
     def __init__(self, limits: LimitsConfig, key: str, pool: asyncpg.Pool, dsn: str,
                  schema: str, timeout_s: float = math.inf,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.cfg = PolicyConfig.from_limits(limits)
+                 clock: Callable[[], float] = time.time, max_pause_s: float = 900.0) -> None:
+        self.cfg = PolicyConfig.from_limits(limits, max_pause_s)
         self.key = key
         self._pool = pool
         # Added to this host's clock so every replica paces on the database's (start()).
@@ -120,7 +120,7 @@ class PostgresBudget:
                                   pg.lock_key(schema, f"budget:{key}"), key,
                                   on_payload=self._view.on_notify, on_back=self._view.missed,
                                   fault=self._fault, mended=self._mended)
-        self._announced: dict[str, tuple[Policy, float]] = {}
+        self._announced = Announced(max_pause_s)
         self._concurrency = GradientLimit(limits.concurrency, timeout_s)
         self._in_flight = 0
         self._slot_free = asyncio.Event()
@@ -176,6 +176,10 @@ class PostgresBudget:
         loop = asyncio.get_running_loop()
         self._refresher = loop.create_task(self._view.run(), name="budget-refresh")
         self._listening = loop.create_task(self._listener.run(), name="budget-listen")
+        if not alone and policy.overlong(self.cfg, self._view.state, now):
+            # Written by a release that did not bound pauses: lifted for every replica.
+            self._drop_overlong(self._view.state, now)
+            self._view.event(policy.Resume(), now)
         state = self._view.state
         log.info("shared budget for %s starts at %.1f/s (learnt %s, paused until %s%s)",
                  self.key, state.rate, _fmt(state.w_max), _fmt(state.paused_until or None),
@@ -183,9 +187,18 @@ class PostgresBudget:
                  extra={"action": "budget_remembered" if alone else "budget_joined"})
 
     def _new_life(self, row: Row) -> Change:
-        if parse(row.state) is None:
+        memory, now = parse(row.state), self._clock()
+        if memory is None:
             log.warning("shared budget state for %s unreadable; starting fresh", self.key)
-        return new_life(self.cfg, row, self._view.quotas, self._clock())
+        elif policy.overlong(self.cfg, memory, now):
+            self._drop_overlong(memory, now)
+        return new_life(self.cfg, row, self._view.quotas, now)
+
+    def _drop_overlong(self, state: BudgetState, now: float) -> None:
+        log.warning("shared budget for %s holds a pause until %.1f, %.0f s away: longer than "
+                    "any pause may last (partner.max_retry_after_seconds = %g); dropped",
+                    self.key, state.paused_until, state.paused_until - now,
+                    self.cfg.max_pause_s, extra={"action": "budget_pause_dropped"})
 
     async def save(self) -> None:
         """Everything is in the database already: wait for the writes still pending."""
@@ -355,14 +368,16 @@ class PostgresBudget:
     def pause(self, until: float, reason: str) -> None:
         self._view.event(policy.Pause(until, reason), self._clock())
 
+    def resume(self, forget_limit: bool = False) -> None:
+        # Written to the row with a NOTIFY (pg_row.with_events): every replica's workers
+        # go on, and the slots start afresh from now.
+        self._view.event(policy.Resume(forget_limit), self._clock())
+
     def _learn(self, policies: tuple[Policy, ...], now: float) -> None:
-        paces = [p.limit / p.window_s for p in policies if p.window_s <= PACE_WINDOW_S]
-        self._view.event(policy.Announce(min(paces) if paces else None), now)
-        for p in policies:
-            if p.window_s > PACE_WINDOW_S or not paces:
-                self._announced[p.name] = (p, now)
-                if p.remaining is not None and p.remaining < 1 and p.reset_s:
-                    self.pause(now + p.reset_s, f"quota {p.name} exhausted")
+        announce, pauses = self._announced.learn(policies, now)
+        self._view.event(announce, now)
+        for pause in pauses:
+            self._view.event(pause, now)
 
     def _bound_check(self) -> None:
         rate = self._view.state.rate
@@ -395,10 +410,7 @@ class PostgresBudget:
         # Slots reserved here are charged but not sent: still this replica's to use.
         views = [QuotaView(q.name, q.limit, q.window_s, q.remaining(now) + len(self._book),
                            q.resets_at(now)) for q in self._view.quotas]
-        for p, at in self._announced.values():
-            if p.remaining is None or p.reset_s is None or now > at + p.reset_s:
-                continue
-            views.append(QuotaView(p.name, p.limit, p.window_s, p.remaining, at + p.reset_s))
+        views += self._announced.views(now, state.resumed_at)
         return Snapshot(state=state, ceiling=self.cfg.ceiling,
                         concurrency_limit=self._concurrency.value,
                         concurrency_max=self._concurrency.maximum, in_flight=self._in_flight,

@@ -60,6 +60,7 @@ class InfraiClient:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
         self.blocked: str | None = None  # the code that blocks us, while it does
+        self._blocked_label = ""  # its metric label: one of BLOCKING's (review L4)
 
     async def start(self) -> None:
         if self.config.token is None:
@@ -154,15 +155,18 @@ class InfraiClient:
                       "(nothing is lost)", status, code, f" ({hint})" if hint else "",
                       extra={"action": "transport_blocked"})
             if self.blocked is not None:
-                metrics.TRANSPORT_BLOCKED.labels(self.blocked).set(0)
+                metrics.TRANSPORT_BLOCKED.labels(self._blocked_label).set(0)
             self.blocked = code
-            metrics.TRANSPORT_BLOCKED.labels(code).set(1)
+            # Infrai's own code names the label only when it is one of the few known:
+            # any other text it sends must not grow the series (the log line has it).
+            self._blocked_label = code if code in BLOCKING.values() else BLOCKING[status]
+            metrics.TRANSPORT_BLOCKED.labels(self._blocked_label).set(1)
 
     def _unblock(self) -> None:
         if self.blocked is not None:
             log.warning("Infrai accepts us again (was %s); consumption resumes", self.blocked,
                         extra={"action": "transport_unblocked"})
-            metrics.TRANSPORT_BLOCKED.labels(self.blocked).set(0)
+            metrics.TRANSPORT_BLOCKED.labels(self._blocked_label).set(0)
             self.blocked = None
 
 

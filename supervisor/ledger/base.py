@@ -125,6 +125,19 @@ class LedgerStats:
     current_run_by_state: Mapping[OpState, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class OperatorAction:
+    """One operator's act outside an operation's own record (lifting the budget's pause):
+    what, by whom, why and when, and what it changed (``detail``, a small JSON object)."""
+
+    id: int
+    at: float
+    action: str  # e.g. "budget.resume"
+    by: str
+    reason: str
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
 class Ledger(Protocol):
     """Truth about runs and operations. Every write is durable when the call returns."""
 
@@ -238,6 +251,13 @@ class Ledger(Protocol):
     async def save_budget(self, key: str, data: dict[str, Any]) -> None:
         """Replace what is saved for ``key``; durable when the call returns."""
 
+    async def record_operator_action(self, action: str, by: str, reason: str,
+                                     detail: Mapping[str, Any]) -> OperatorAction:
+        """Append an operator's act to the audit table; durable when the call returns."""
+
+    async def operator_actions(self, action: str, limit: int) -> list[OperatorAction]:
+        """The latest ``limit`` acts of kind ``action``, newest first."""
+
     async def close(self) -> None: ...
 
 
@@ -303,3 +323,13 @@ def budget_memory(blob: str | bytes | None) -> dict[str, Any] | None:
     except orjson.JSONDecodeError:
         return None
     return data if isinstance(data, dict) else None
+
+
+def operator_action(row: Sequence[Any]) -> OperatorAction:
+    """An audit row (id, at, action, actor, reason, detail JSON) as every backend stores it."""
+    try:
+        detail = orjson.loads(row[5]) if row[5] else {}
+    except orjson.JSONDecodeError:
+        detail = {}
+    return OperatorAction(id=int(row[0]), at=float(row[1]), action=row[2], by=row[3],
+                          reason=row[4], detail=detail if isinstance(detail, dict) else {})

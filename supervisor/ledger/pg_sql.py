@@ -109,6 +109,19 @@ MIGRATIONS = (
     # The session holding a replica's role locks: the reaper ends it with the replica, so
     # a holder whose host died (no FIN, no RST) gives its roles up within seconds.
     Migration("ledger", 2, ("ALTER TABLE replicas ADD COLUMN IF NOT EXISTS roles_pid INTEGER",)),
+    # What operators did outside an operation's own attempts (lifting the budget's pause):
+    # an audit log. A component of its own, so its versions never collide with the
+    # ledger's.
+    Migration("audit", 1, (
+        f"""CREATE TABLE IF NOT EXISTS operator_actions (
+            id BIGSERIAL PRIMARY KEY,
+            at {_T} NOT NULL,
+            action TEXT NOT NULL,
+            actor TEXT NOT NULL,
+            reason TEXT NOT NULL,
+            detail TEXT NOT NULL)""",
+        "CREATE INDEX IF NOT EXISTS operator_actions_action ON operator_actions(action, id)",
+    )),
 )
 
 DB_NOW = "extract(epoch from clock_timestamp())::double precision"
@@ -366,6 +379,14 @@ LIVE_REPLICAS = (
     f"SELECT id, host, pid, started_at, heartbeat_at, {DB_NOW} FROM replicas ORDER BY started_at"
 )
 
+INSERT_OPERATOR_ACTION = (
+    "INSERT INTO operator_actions (at, action, actor, reason, detail) "
+    "VALUES ($1, $2, $3, $4, $5) RETURNING id"
+)
+SELECT_OPERATOR_ACTIONS = (
+    "SELECT id, at, action, actor, reason, detail FROM operator_actions WHERE action = $1 "
+    "ORDER BY id DESC LIMIT $2"
+)
 SELECT_BUDGET = "SELECT state FROM budget_memory WHERE key = $1"
 UPSERT_BUDGET = (
     "INSERT INTO budget_memory (key, state, updated_at) VALUES ($1, $2, $3) "

@@ -31,12 +31,14 @@ from supervisor.ledger.base import (
     LedgerStats,
     OpenRunResult,
     Operation,
+    OperatorAction,
     PageResult,
     Published,
     Received,
     Run,
     Settlement,
     budget_memory,
+    operator_action,
 )
 from supervisor.ledger.outbox import new_event_id
 from supervisor.ledger.pgdb import Conn, PgDatabase
@@ -364,6 +366,21 @@ class PostgresLedger:
             await conn.execute(sql.UPSERT_BUDGET, key, blob, time.time())
 
         await self.db.write(write)
+
+    async def record_operator_action(self, action: str, by: str, reason: str,
+                                     detail: Mapping[str, Any]) -> OperatorAction:
+        now, blob = time.time(), orjson.dumps(dict(detail)).decode()
+
+        async def write(conn: Conn) -> int:
+            return int(await conn.fetchval(sql.INSERT_OPERATOR_ACTION, now, action, by,
+                                           reason, blob))
+
+        row_id = await self.db.write(write)
+        return operator_action((row_id, now, action, by, reason, blob))
+
+    async def operator_actions(self, action: str, limit: int) -> list[OperatorAction]:
+        rows = await self.db.read(sql.SELECT_OPERATOR_ACTIONS, action, limit)
+        return [operator_action(tuple(r)) for r in rows]
 
     async def close(self) -> None:
         await self.db.close()

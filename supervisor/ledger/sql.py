@@ -89,6 +89,19 @@ CREATE TABLE IF NOT EXISTS budget_memory (
     updated_at REAL NOT NULL
 );
 
+-- What operators did outside an operation's own attempts (lifting the budget's pause),
+-- with who, why and when: an audit log, only ever appended to. A file written by an
+-- earlier release gains it at open (CREATE ... IF NOT EXISTS).
+CREATE TABLE IF NOT EXISTS operator_actions (
+    id INTEGER PRIMARY KEY,
+    at REAL NOT NULL,
+    action TEXT NOT NULL,                   -- budget.resume
+    actor TEXT NOT NULL,                    -- who (the --by of the CLI, the API's "by")
+    reason TEXT NOT NULL,
+    detail TEXT NOT NULL                    -- JSON: what it changed
+);
+CREATE INDEX IF NOT EXISTS operator_actions_action ON operator_actions(action, id);
+
 -- The events outbox: one row per settled operation or finished run, written in the
 -- transaction of that change. AUTOINCREMENT: a seq is never handed out twice, even after
 -- pruning emptied the table, so no cursor can skip a new event; with one writer it is
@@ -396,6 +409,14 @@ RELEASE_DEAD_OWNERS = (
     "UPDATE operations SET owner = NULL, busy_until = NULL WHERE busy_until IS NOT NULL"
 )
 
+INSERT_OPERATOR_ACTION = (
+    "INSERT INTO operator_actions (at, action, actor, reason, detail) VALUES (?, ?, ?, ?, ?) "
+    "RETURNING id"
+)
+SELECT_OPERATOR_ACTIONS = (
+    "SELECT id, at, action, actor, reason, detail FROM operator_actions WHERE action = ? "
+    "ORDER BY id DESC LIMIT ?"
+)
 SELECT_BUDGET = "SELECT state FROM budget_memory WHERE key = ?"
 UPSERT_BUDGET = (
     "INSERT INTO budget_memory (key, state, updated_at) VALUES (?, ?, ?) "

@@ -27,12 +27,14 @@ from supervisor.ledger.base import (
     LedgerStats,
     OpenRunResult,
     Operation,
+    OperatorAction,
     PageResult,
     Published,
     Received,
     Run,
     Settlement,
     budget_memory,
+    operator_action,
 )
 from supervisor.ledger.database import Database
 from supervisor.queue.base import Delivery, Message, QueueStats
@@ -486,6 +488,23 @@ class SqliteLedger(outbox.OutboxMixin):
             await conn.execute(sql.UPSERT_BUDGET, (key, blob, time.time()))
 
         await self.db.write(write)
+
+    async def record_operator_action(self, action: str, by: str, reason: str,
+                                     detail: Mapping[str, Any]) -> OperatorAction:
+        now, blob = time.time(), orjson.dumps(dict(detail)).decode()
+
+        async def write(conn: aiosqlite.Connection) -> int:
+            row = await _fetchone(conn, sql.INSERT_OPERATOR_ACTION,
+                                  (now, action, by, reason, blob))
+            assert row is not None
+            return int(row[0])
+
+        row_id = await self.db.write(write, savepoint=False)
+        return operator_action((row_id, now, action, by, reason, blob))
+
+    async def operator_actions(self, action: str, limit: int) -> list[OperatorAction]:
+        rows = await self.db.read(sql.SELECT_OPERATOR_ACTIONS, (action, limit))
+        return [operator_action(tuple(r)) for r in rows]
 
     async def close(self) -> None:
         await self.db.close()

@@ -8,7 +8,9 @@ from typing import Literal
 
 Window = Literal["bucket", "gcra", "sliding", "second", "minute"]
 RetryAfterFormat = Literal["seconds", "fractional", "http-date", "none"]
-RateLimitHeaders = Literal["none", "ietf", "x-ratelimit", "x-ratelimit-epoch"]
+RateLimitHeaders = Literal[
+    "none", "ietf", "x-ratelimit", "x-ratelimit-epoch", "x-ratelimit-epoch-ms"
+]
 
 WINDOWS: tuple[Window, ...] = ("bucket", "gcra", "sliding", "second", "minute")
 RETRY_AFTER_FORMATS: tuple[RetryAfterFormat, ...] = ("seconds", "fractional", "http-date", "none")
@@ -17,6 +19,7 @@ RATELIMIT_HEADER_STYLES: tuple[RateLimitHeaders, ...] = (
     "ietf",
     "x-ratelimit",
     "x-ratelimit-epoch",
+    "x-ratelimit-epoch-ms",
 )
 
 

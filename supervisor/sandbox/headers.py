@@ -71,11 +71,14 @@ def ratelimit_headers(
                 f"t={chosen.quota.reset_seconds}"
             ),
         }
-    reset = chosen.quota.reset_seconds
+    reset: float = chosen.quota.reset_seconds
     if style == "x-ratelimit-epoch":
         # GitHub style: the Unix second at which the window resets, rounded up so a client
         # waiting for it is never early.
         reset = math.ceil(wall_now + reset)
+    elif style == "x-ratelimit-epoch-ms":
+        # The same instant in Unix milliseconds, as other APIs send it.
+        reset = math.ceil((wall_now + reset) * 1000.0 - _MS_EPSILON)
     return {
         "X-RateLimit-Limit": str(chosen.quota.limit),
         "X-RateLimit-Remaining": str(chosen.quota.remaining),

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from supervisor.status import budget_form
 from supervisor.status.auth import LoginThrottle, Sessions
 from supervisor.status.history import History, metrics_reader
 from supervisor.status.page import (
@@ -57,6 +58,7 @@ def add_status_routes(app: web.Application, state: ApiState) -> None:
     app.router.add_post("/logout", logout)
     app.router.add_get("/status/data", data)
     app.router.add_post("/status/operations/{operation_id}/resolve", resolve)
+    app.router.add_post("/status/budget/resume", budget_form.resume)
     app.router.add_get("/static/{name}", static)
     app.cleanup_ctx.append(_sampling(history))
 

@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 from multidict import MultiDictProxy
 
+from supervisor import budget_api
 from supervisor.config import StatusConfig
 from supervisor.errors import IllegalTransition, StorageError
 from supervisor.openapi import PRINTABLE
@@ -169,8 +170,9 @@ async def index(request: web.Request) -> web.Response:
     ctx = _ctx(request)
     data = await ctx.data.get()
     ops = await ctx.api.ledger.operations_in_state(OpState.AMBIGUOUS, None, MAX_AMBIGUOUS + 1)
+    budget = await budget_api.show(ctx.api) if ctx.api.budget is not None else None
     page = render.status_page(data, ops[:MAX_AMBIGUOUS], len(ops) > MAX_AMBIGUOUS, session,
-                              session.name)
+                              session.name, render.budget_card(budget, session, session.name))
     session.flash.clear()
     return _html(page)
 

@@ -17,7 +17,7 @@ from urllib.parse import quote
 from supervisor.ledger.base import Operation
 from supervisor.reconcile import RESOLUTIONS
 from supervisor.status.auth import Session
-from supervisor.status.views import DASH, clock_text, date_text
+from supervisor.status.views import DASH, clock_text, date_text, duration_text
 
 
 class Html(str):
@@ -117,8 +117,62 @@ def ambiguous_table(ops: list[Operation], session: Session, more: bool, by: str)
                 f'<tbody>{join(rows)}</tbody></table></div>{note}')
 
 
+# A flash message of the budget card's form: shown there, not beside the resolve forms.
+BUDGET_FLASH = "budget"
+MAX_ACTIONS_SHOWN = 5
+
+
+def _limit(value: float | None) -> str:
+    return DASH if value is None else f"{value:g}/s"
+
+
+def budget_card(view: dict[str, Any] | None, session: Session, by: str) -> Html:
+    """What holds the workers (a pause, a spent quota), the limits learnt, the latest
+    resumes, and for an operator the form that lifts the pause (POST-redirect-GET)."""
+    if view is None:
+        return Html("")
+    if view["paused"]:
+        pause = Html(f'until {esc(date_text(view["paused_until"]))} '
+                     f'({esc(view["pause_reason"] or DASH)})')
+    else:
+        pause = esc("none")
+    held = view["held_for_seconds"]
+    facts = [("rate now", esc(_limit(view["rate_per_second"]))),
+             ("ceiling", esc(_limit(view["ceiling_per_second"]))),
+             ("learnt limit", esc(_limit(view["learnt_limit_per_second"]))),
+             ("announced limit", esc(_limit(view["announced_limit_per_second"]))),
+             ("pause", pause),
+             ("held for", esc(duration_text(held) if held > 0 else "nothing holds"))]
+    dl = join([Html(f"<dt>{esc(k)}</dt><dd>{v}</dd>") for k, v in facts])
+    rows = join([Html(f'<tr><td class="nowrap">{esc(date_text(a["at"]))}</td>'
+                      f'<td>{esc(a["by"])}</td><td>{esc(a["reason"])}</td>'
+                      f'<td>{esc("yes" if a["detail"].get("forget_limit") else "no")}</td></tr>')
+                 for a in view.get("operator_actions", [])[:MAX_ACTIONS_SHOWN]])
+    actions = Html('<p class="muted small">No resume recorded.</p>') if not rows else Html(
+        '<table class="ops"><thead><tr><th>when</th><th>by</th><th>why</th>'
+        f'<th>limit forgotten</th></tr></thead><tbody>{rows}</tbody></table>')
+    if session.can_resolve:
+        form = Html(
+            f'<form method="post" action="/status/budget/resume" id="budget-resume">'
+            f'{csrf_field(session)}'
+            f'<input name="by" required maxlength="500" placeholder="your name" '
+            f'value="{esc(by)}" aria-label="who decides" autocomplete="name">'
+            '<input name="reason" required maxlength="500" placeholder="why (recorded)" '
+            'aria-label="why">'
+            '<label><input type="checkbox" name="forget_limit" value="1"> also forget the '
+            'learnt limit</label>'
+            '<button type="submit">Resume</button></form>')
+    else:
+        form = Html('<p class="muted">You are logged in read-only: an operator lifts a '
+                    'pause.</p>')
+    flash = join([Html(f'<p class="flash {esc(kind)}" role="status">{esc(text)}</p>')
+                  for kind, text in session.flash if BUDGET_FLASH in kind.split()])
+    return Html(f'<section class="card" id="budget"><h2>Rate budget</h2>{flash}'
+                f'<dl class="eta">{dl}</dl>{form}<h3>Resumes</h3>{actions}</section>')
+
+
 def status_page(data: dict[str, Any], ops: list[Operation], more: bool,
-                session: Session, by: str) -> Html:
+                session: Session, by: str, budget: Html | None = None) -> Html:
     current = data["current"]
     fields: dict[str, Any] = dict.fromkeys(
         ("run_id", "state", "schedule", "created", "discovered", "deleted", "already_absent",
@@ -130,7 +184,7 @@ def status_page(data: dict[str, Any], ops: list[Operation], more: bool,
     # The page's only messages are the resolve form's: shown beside it, where the
     # redirect after the POST lands (/#ambiguous).
     flash = join([Html(f'<p class="flash {esc(kind)}" role="status">{esc(text)}</p>')
-                  for kind, text in session.flash])
+                  for kind, text in session.flash if BUDGET_FLASH not in kind.split()])
     body = fill(
         "status.html", **fields, flash=flash,
         verdict_kind=current["verdict"] if current else "none",
@@ -138,5 +192,6 @@ def status_page(data: dict[str, Any], ops: list[Operation], more: bool,
         progress_max=max(1, current["discovered"]) if current else 1,
         progress_value=current["settled"] if current else 0,
         updated=clock_text(data["now"]), ambiguous_total=data["ambiguous"],
-        ambiguous_table=ambiguous_table(ops, session, more, by), runs_rows=rows)
+        ambiguous_table=ambiguous_table(ops, session, more, by), runs_rows=rows,
+        budget_card=budget or Html(""))
     return layout("Status · cleanup-supervisor", body, session)

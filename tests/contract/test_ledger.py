@@ -937,6 +937,23 @@ class TestLedgerContract:
         assert await ledger.load_budget("https://other.example") == {}
         assert await ledger.load_budget(key) == {"limit": 5.0}
 
+    async def test_operator_actions_are_recorded_with_who_why_and_when(
+            self, backend: Backend) -> None:
+        ledger = backend.ledger
+        assert await ledger.operator_actions("budget.resume", 10) == []
+        before = time.time()
+        first = await ledger.record_operator_action(
+            "budget.resume", "ana", "partner confirmed the reset", {"paused_until": 1.8e12})
+        second = await ledger.record_operator_action(
+            "budget.resume", "bo", "again", {"forget_limit": True})
+        await ledger.record_operator_action("other", "cy", "not listed", {})
+        got = await ledger.operator_actions("budget.resume", 10)
+        assert got == [second, first]  # newest first, only the kind asked for
+        assert (first.by, first.reason, first.detail) == (
+            "ana", "partner confirmed the reset", {"paused_until": 1.8e12})
+        assert before <= first.at <= second.at <= time.time()
+        assert await ledger.operator_actions("budget.resume", 1) == [second]
+
     async def test_a_closed_ledger_refuses_with_a_storage_error(self, backend: Backend) -> None:
         ledger = backend.ledger
         run = await open_run(ledger)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -14,7 +15,7 @@ from typing import Any, Protocol
 import pytest
 
 from supervisor.budget import policy
-from supervisor.budget.base import Feedback, Outcome, RateBudget
+from supervisor.budget.base import Feedback, Grant, Outcome, Policy, RateBudget
 from supervisor.budget.local import LocalBudget, MemoryStore
 from supervisor.budget.policy import BudgetState
 from supervisor.budget.postgres import MIGRATIONS, PostgresBudget
@@ -29,8 +30,9 @@ def _limits(**limits: Any) -> LimitsConfig:
     return LimitsConfig(**{"rate_per_second": 40.0, "concurrency": 4, **limits})
 
 
-def _local(store: MemoryStore, **limits: Any) -> RateBudget:
-    return LocalBudget(_limits(**limits), key="http://partner", store=store)
+def _local(store: MemoryStore, max_pause_s: float = 900.0, **limits: Any) -> RateBudget:
+    return LocalBudget(_limits(**limits), key="http://partner", store=store,
+                       max_pause_s=max_pause_s)
 
 
 class PgSchema(Protocol):
@@ -53,9 +55,9 @@ async def postgres(pg: PgSchema) -> AsyncIterator[Factory]:
                     await earlier.close()
             await super().start()
 
-    def make(_store: object, **limits: Any) -> RateBudget:
+    def make(_store: object, max_pause_s: float = 900.0, **limits: Any) -> RateBudget:
         budget = Restarted(_limits(**limits), key="http://partner", pool=pool, dsn=pg.dsn,
-                           schema=pg.schema)
+                           schema=pg.schema, max_pause_s=max_pause_s)
         lives.append(budget)
         return budget
 
@@ -149,3 +151,91 @@ class TestRateBudgetContract:
         blob = json.dumps(state.to_dict())
         assert len(blob) < 1024
         assert BudgetState.from_dict(json.loads(blob)) == state
+
+    async def test_no_pause_lasts_longer_than_the_longest_pause(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger, max_pause_s=60.0)
+        await budget.start()
+        budget.pause(time.time() + 1.8e12, "quota x-ratelimit exhausted")
+        assert budget.snapshot().paused_until <= time.time() + 60.0
+        budget.release(await _unpaused(budget), Feedback(Outcome.THROTTLED, 0.001, 1e9))
+        assert budget.snapshot().paused_until <= time.time() + 60.0
+
+    async def test_an_announced_quota_holds_no_longer_than_the_longest_pause(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger, max_pause_s=60.0)
+        await budget.start()
+        spent = Policy("x-ratelimit", 5000, 86400.0, remaining=0, reset_s=1.8e12)
+        budget.release(await budget.acquire(), Feedback(Outcome.OK, 0.001, policies=(spent,)))
+        snap = budget.snapshot()
+        assert 0 < snap.held_for(time.time()) <= 60.0
+
+    async def test_resume_lifts_a_pause_for_the_workers_waiting_on_it(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger)
+        await budget.start()
+        budget.pause(time.time() + 600, "retry-after")
+        spent = Policy("day", 5000, 86400.0, remaining=0, reset_s=600.0)
+        budget.release(await _unpaused(budget, 0.0),
+                       Feedback(Outcome.OK, 0.001, policies=(spent,)))
+        waiter = asyncio.ensure_future(budget.acquire())
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # held by the pause
+        budget.resume()
+        grant = await asyncio.wait_for(waiter, 3.0)
+        budget.release(grant, Feedback(Outcome.OK, 0.001))
+        snap = budget.snapshot()
+        assert (snap.paused_until, snap.held_for(time.time())) == (0.0, 0.0)
+        await budget.save()
+        # Lifted for the next life too.
+        again = make(ledger)
+        await again.start()
+        assert again.snapshot().held_for(time.time()) == 0.0
+
+    async def test_resume_can_forget_the_learnt_limit(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger)
+        await budget.start()
+        fresh = budget.snapshot().rate
+        # A short Retry-After: a rate signal (a long one would be an imposed pause).
+        budget.release(await budget.acquire(), Feedback(Outcome.THROTTLED, 0.001, 1.0))
+        assert budget.snapshot().state.w_max is not None
+        budget.resume()  # the pause only: the limit stays learnt
+        state = budget.snapshot().state
+        assert (state.paused_until, state.w_max is not None) == (0.0, True)
+        budget.resume(forget_limit=True)
+        state = budget.snapshot().state
+        assert (state.w_max, state.announced, state.rate) == (None, None, fresh)
+
+    async def test_a_saved_pause_longer_than_the_longest_pause_is_dropped_at_a_new_life(
+            self, make: Factory, ledger: SqliteLedger, caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        # Saved by a life that allowed far longer pauses (as one that read a reset in
+        # milliseconds as seconds did).
+        first = make(ledger, max_pause_s=1e13)
+        await first.start()
+        first.pause(time.time() + 1.8e12, "quota x-ratelimit exhausted")
+        await first.save()
+        assert first.snapshot().paused_until > time.time() + 1e12
+        second = make(ledger)
+        with caplog.at_level(logging.WARNING):
+            await second.start()
+        assert second.snapshot().paused_until == 0.0
+        assert any(getattr(r, "action", "") == "budget_pause_dropped" for r in caplog.records)
+        await asyncio.wait_for(second.acquire(), 2.0)
+
+    async def test_a_saved_pause_within_the_longest_pause_is_kept(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        first = make(ledger, max_pause_s=1e13)
+        await first.start()
+        until = time.time() + 300
+        first.pause(until, "retry-after")
+        await first.save()
+        second = make(ledger)
+        await second.start()
+        assert second.snapshot().paused_until == pytest.approx(until)
+
+
+async def _unpaused(budget: RateBudget, hold_s: float = 0.0) -> Grant:
+    """A grant while a pause is in force (what a request sent just before it got)."""
+    return Grant(at=time.time() - hold_s)

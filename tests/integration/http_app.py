@@ -33,6 +33,7 @@ class Api:
     queue: SqliteQueue
     db: Database
     scan_wakeup: asyncio.Event
+    budget: LocalBudget
 
     async def counts(self) -> tuple[int, int, int]:
         """Rows in runs, operations, messages: to prove a rejected request wrote nothing."""
@@ -60,19 +61,20 @@ async def running_api(cfg: Config) -> AsyncIterator[Api]:
     await db.open()
     queue = SqliteQueue(db)
     ledger = SqliteLedger(db, owns_queue=True)
-    limiter = LocalBudget(cfg.limits, key="test")
+    limiter = LocalBudget(cfg.limits, key="test", store=ledger,
+                          max_pause_s=cfg.partner.max_retry_after_seconds)
     partner = PartnerClient(cfg.partner, cfg.limits.concurrency)
     scan_wakeup = asyncio.Event()
     opener = RunOpener(cfg, ledger, scan_wakeup)
     reconciler = Reconciler(cfg.partner, ledger, queue, limiter, partner)
     state = ApiState(config=cfg, ledger=ledger, opener=opener, reconciler=reconciler,
                      ready=lambda: (True, {"ledger": True}), runs_changed=Broadcast(),
-                     current_rate=lambda: limiter.snapshot().rate)
+                     current_rate=lambda: limiter.snapshot().rate, budget=limiter)
     client: TestClient[object, object] = TestClient(TestServer(create_app(state),
                                                                host="127.0.0.1", port=0))
     await client.start_server()
     try:
-        yield Api(client, state, ledger, queue, db, scan_wakeup)
+        yield Api(client, state, ledger, queue, db, scan_wakeup, limiter)
     finally:
         await client.close()
         await db.close()

@@ -659,3 +659,23 @@ async def test_real_processes_share_the_ceiling(pg: PgSchema) -> None:
     # wake-ups, never more than the rate).
     assert len(everything) >= 0.5 * 2.0 * CEILING
     assert all(r["grants"] for r in results)
+
+
+async def test_an_operator_resume_on_one_replica_lifts_the_pause_for_every_replica(
+        replicas: Make, pg: PgSchema) -> None:
+    a, b = await replicas(), await replicas()
+    a.release(await a.acquire(), Feedback(Outcome.THROTTLED, 0.001, retry_after_s=1.0))
+    a.pause(time.time() + 600, "quota x-ratelimit exhausted")
+    await a.save()
+    await until(lambda: b.snapshot().paused_until > time.time() + 500, 3.0)
+    waiter = asyncio.ensure_future(b.acquire())
+    done, _ = await asyncio.wait([waiter], timeout=0.2)
+    assert not done  # held by the pause a learnt
+    a.resume(forget_limit=True)
+    await a.save()
+    grant = await asyncio.wait_for(waiter, 3.0)  # b's worker goes on: told by the NOTIFY
+    b.release(grant, OK)
+    assert grant.at < time.time() + 1.0  # no slot left where the pause had moved them
+    shared = await shared_state(pg)
+    assert (shared.paused_until, shared.w_max) == (0.0, None)
+    assert shared.resumed_at > 0

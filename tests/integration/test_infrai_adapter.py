@@ -189,3 +189,38 @@ async def test_dead_letters_are_redriven(emulator: Emulator) -> None:
         assert d.message == msg(1)
     finally:
         await q.close()
+
+
+async def test_an_unknown_refusal_code_does_not_become_a_metric_label() -> None:
+    # Review L4: Infrai's own error text named the series; any text it sends must not
+    # grow them. A real server on loopback answering 403 with a code of its own.
+    from aiohttp import web
+
+    from supervisor.infrai.client import InfraiClient
+
+    codes = iter(f"WEIRD_{i}\nX" for i in range(5))
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"ok": False, "error": {"code": next(codes)}}, status=403)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    client = InfraiClient(InfraiConfig(base_url=f"http://127.0.0.1:{port}", token=Secret(KEY),
+                                       queue="work"))
+    await client.start()
+    try:
+        for _ in range(5):
+            with pytest.raises(QueueBlocked):
+                await client.call("queue.consume", "v1/queue/consume", {})
+    finally:
+        await client.close()
+        await runner.cleanup()
+    labels = {s.labels["reason"] for family in metrics.TRANSPORT_BLOCKED.collect()
+              for s in family.samples}
+    assert not any(label.startswith("WEIRD") for label in labels)
+    assert metrics.TRANSPORT_BLOCKED.labels("FORBIDDEN")._value.get() == 1

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from aiolimiter import AsyncLimiter
 
+from supervisor import metrics
+from supervisor.budget.announced import MAX_ANNOUNCED
 from supervisor.budget.base import Feedback, Outcome, Policy
 from supervisor.budget.concurrency import GradientLimit
 from supervisor.budget.local import LocalBudget, tune_bucket
@@ -158,3 +160,30 @@ async def test_concurrency_bound_shows_when_the_maximum_limits_the_pace() -> Non
     for _ in range(12):
         b.release(await b.acquire(), Feedback(Outcome.OK, 0.5))
     assert b.snapshot().concurrency_bound
+
+
+async def test_partner_named_policies_are_bounded_in_memory_and_in_metric_labels() -> None:
+    # Review L4: a new RateLimit-Policy name in every answer.
+    b = budget()
+    for i in range(40):
+        grant = await b.acquire()
+        named = Policy(f"p{i}", 10, 3600.0, remaining=5, reset_s=600.0)
+        b.release(grant, Feedback(Outcome.OK, 0.001, policies=(named,)))
+        metrics.publish_budget(b.snapshot())
+    names = [q.name for q in b.snapshot().quotas]
+    assert len(names) == MAX_ANNOUNCED
+    assert names == [f"p{i}" for i in range(40 - MAX_ANNOUNCED, 40)]  # the oldest went
+    series = {s.labels["policy"] for family in metrics.LIMITER_QUOTA_REMAINING.collect()
+              for s in family.samples}
+    assert series == set(names)
+
+
+async def test_an_announced_quota_spent_before_a_resume_no_longer_holds() -> None:
+    b = budget()
+    grant = await b.acquire()
+    day = Policy("day", 50_000, 86_400.0, remaining=0, reset_s=600.0)
+    b.release(grant, Feedback(Outcome.OK, 0.001, policies=(day,)))
+    assert b.snapshot().held_for(time.time()) > 500
+    b.resume()
+    assert b.snapshot().held_for(time.time()) == 0.0
+    await asyncio.wait_for(b.acquire(), 1.0)

@@ -6,6 +6,7 @@ No sleeps and no clock: every test passes the time it means.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -256,3 +257,35 @@ def test_429s_without_retry_after_and_nothing_accepted_back_off_without_cutting_
         s = step(c, s, Throttle(now, None), now + 0.001)
         assert s.rate == cut
     assert s.paused_until - (now + 0.001) == pytest.approx(policy.BLIND_BASE_S * 2 ** 5)
+
+
+def test_no_pause_ends_later_than_the_longest_pause_after_it_began() -> None:
+    c = policy.PolicyConfig.from_limits(LimitsConfig(), max_pause_s=120.0)
+    s = step(c, initial(c), Pause(T0 + 1.8e12, "quota x-ratelimit exhausted"), T0)
+    assert s.paused_until == T0 + 120.0
+    s = step(c, initial(c), Throttle(T0, 1e9), T0)
+    assert s.paused_until == T0 + 120.0
+    assert step(c, initial(c), Pause(float("inf"), "x"), T0).paused_until == 0.0
+
+
+def test_memory_drops_a_pause_longer_than_the_longest_pause() -> None:
+    c = policy.PolicyConfig.from_limits(LimitsConfig(), max_pause_s=900.0)
+    saved = BudgetState(rate=10.0, paused_until=T0 + 1.8e12, pause_reason="quota x")
+    assert policy.overlong(c, saved, T0)
+    fresh = remembered(c, saved, T0)
+    assert (fresh.paused_until, fresh.pause_reason) == (0.0, "")
+    kept = BudgetState(rate=10.0, paused_until=T0 + 600.0, pause_reason="retry-after")
+    assert not policy.overlong(c, kept, T0)
+    assert remembered(c, kept, T0).paused_until == T0 + 600.0
+
+
+def test_resume_lifts_the_pause_and_forgets_only_when_asked() -> None:
+    c = cfg()
+    s = step(c, initial(c), Throttle(T0, 1.0), T0)
+    s = step(c, s, Pause(T0 + 600, "maintenance"), T0)
+    lifted = step(c, s, policy.Resume(), T0 + 1)
+    assert (lifted.paused_until, lifted.pause_reason, lifted.resumed_at) == (0.0, "", T0 + 1)
+    assert (lifted.w_max, lifted.rate) == (s.w_max, s.rate)  # the limit is still learnt
+    forgot = step(c, s, policy.Resume(forget_limit=True), T0 + 1)
+    assert forgot == replace(initial(c), resumed_at=T0 + 1)
+    assert remembered(c, forgot, T0 + 2).paused_until == 0.0

@@ -434,6 +434,10 @@ def test_x_ratelimit_headers_describe_the_tightest_policy() -> None:
     }
     epoch = ratelimit_headers("x-ratelimit-epoch", POLICIES, wall_now=1_700_000_000.25)
     assert epoch["X-RateLimit-Reset"] == str(1_700_000_000 + 1801)
+    millis = ratelimit_headers("x-ratelimit-epoch-ms", POLICIES, wall_now=1_700_000_000.25)
+    assert millis["X-RateLimit-Reset"] == str((1_700_000_000 + 1800) * 1000 + 250)
+    assert {k: v for k, v in millis.items() if k != "X-RateLimit-Reset"} == {
+        k: v for k, v in epoch.items() if k != "X-RateLimit-Reset"}
     assert ratelimit_headers("none", POLICIES, 0.0) == {}
     assert ratelimit_headers("ietf", [], 0.0) == {}
 

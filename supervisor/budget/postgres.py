@@ -150,8 +150,10 @@ class PostgresBudget:
         async with self._pool.acquire() as conn:
             db_now = float(await conn.fetchval(
                 "SELECT extract(epoch from clock_timestamp())::float8"))
-        # The database read its clock about half way through the round trip.
-        self._offset = db_now - (before + time.time()) / 2
+        # The database read its clock about half way through the round trip. An offset
+        # within the round trip's error is two synchronised clocks: keep this host's.
+        offset = db_now - (before + time.time()) / 2
+        self._offset = offset if abs(offset) > SKEW_WARN_S else 0.0
 
     async def start(self) -> None:
         if self._refresher is not None:
@@ -176,6 +178,7 @@ class PostgresBudget:
         loop = asyncio.get_running_loop()
         self._refresher = loop.create_task(self._view.run(), name="budget-refresh")
         self._listening = loop.create_task(self._listener.run(), name="budget-listen")
+        now = self._clock()
         if not alone and policy.overlong(self.cfg, self._view.state, now):
             # Written by a release that did not bound pauses: lifted for every replica.
             self._drop_overlong(self._view.state, now)

@@ -300,7 +300,7 @@ def cmd_infrai_cron(args: argparse.Namespace) -> int:
     kept as it is (applying twice changes nothing); ``status``: the job, its next run and
     its recent runs."""
     from supervisor.infrai.client import InfraiClient
-    from supervisor.infrai.cron import CronRefused, InfraiCron
+    from supervisor.infrai.cron import CronRefused, InfraiCron, masked
 
     cfg = config.load(_config_path(args.config))
     s = cfg.schedule
@@ -310,12 +310,17 @@ def cmd_infrai_cron(args: argparse.Namespace) -> int:
     if cfg.infrai.token is None:
         print(f"infrai cron: ${cfg.infrai.token_env} is not set", file=sys.stderr)
         return EXIT_USAGE
+    if args.action == "apply" and cfg.trigger.tick_token is None:
+        var = cfg.trigger.tick_token_env
+        print(f"infrai cron: trigger.tick_token_env: ${var} (or ${var}_FILE) is not set; "
+              "the job carries the tick token, never the operator token", file=sys.stderr)
+        return EXIT_USAGE
 
     async def act() -> dict[str, Any]:
         client = InfraiClient(cfg.infrai)
         await client.start()
         try:
-            cron = InfraiCron(client, cfg.infrai, cfg.trigger.token)
+            cron = InfraiCron(client, cfg.infrai, cfg.trigger.tick_token)
             spec = cron.spec(s.name, s.cron or "", s.timezone)
             if args.action == "apply":
                 done, job = await cron.apply(spec, replace=args.replace)
@@ -334,9 +339,8 @@ def cmd_infrai_cron(args: argparse.Namespace) -> int:
     except CronRefused as exc:
         print(f"infrai cron: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    # A record that echoes the job's headers would show the trigger token.
-    if isinstance(out.get("job"), dict) and "headers" in out["job"]:
-        out["job"]["headers"] = "***"
+    # Infrai's records may echo a job's headers anywhere (the job, its task, its runs).
+    out = masked(out, (cfg.trigger.tick_token, cfg.trigger.token, cfg.infrai.token))
     print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
     return 0
 
@@ -442,7 +446,7 @@ def parser() -> argparse.ArgumentParser:
     cron.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
     cron.add_argument("--runs", type=int, default=10, help="status: how many recent runs")
     cron.add_argument("--replace", action="store_true",
-                      help="apply: replace the job even if it looks the same (a new trigger token)")
+                      help="apply: replace the job even if it looks the same (a new tick token)")
     cron.set_defaults(func=cmd_infrai_cron)
     push = infrai.add_parser("push", help="register this service's push endpoint")
     push.add_argument("action", choices=["subscribe"])

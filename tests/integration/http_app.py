@@ -21,7 +21,7 @@ from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
 from supervisor.runs import Broadcast, RunOpener
 
-TOKEN = "trigger-token-for-tests"
+TOKEN = "trigger-token-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 

@@ -169,7 +169,9 @@ class _Unlogged:
 def _parse_ip(text: str) -> IPAddress | None:
     text = text.strip()
     if text.startswith("["):  # [v6]:port
-        text = text[1:].partition("]")[0]
+        text, closed, _ = text[1:].partition("]")
+        if not closed:
+            return None
     elif text.count(":") == 1:  # v4:port
         text = text.partition(":")[0]
     try:
@@ -271,14 +273,9 @@ class Guard:
         allowed = self.config.service.allowed_hosts
         if host is None or "*" in allowed:
             return True
-        name = host.strip()
-        if name.startswith("["):
-            name = name[1:].partition("]")[0]
-        elif name.count(":") == 1:
-            name = name.partition(":")[0]
-        if _parse_ip(name) is not None:
+        if _parse_ip(host) is not None:
             return True
-        name = name.lower().rstrip(".")
+        name = host.strip().partition(":")[0].lower().rstrip(".")
         return any(name == entry or (entry.startswith(".") and
                                      (name == entry[1:] or name.endswith(entry)))
                    for entry in allowed)

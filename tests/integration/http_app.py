@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from supervisor import config as config_module
@@ -55,7 +56,9 @@ def load_config(tmp_path: Path, **env: str) -> Config:
 
 
 @asynccontextmanager
-async def running_api(cfg: Config) -> AsyncIterator[Api]:
+async def running_api(cfg: Config, routes: Callable[[web.Application], None] | None = None
+                      ) -> AsyncIterator[Api]:
+    """``routes``: more routes for the app, as a module beside http.py adds its own."""
     db = Database(cfg.ledger_path)
     await db.open()
     queue = SqliteQueue(db)
@@ -68,8 +71,10 @@ async def running_api(cfg: Config) -> AsyncIterator[Api]:
     state = ApiState(config=cfg, ledger=ledger, opener=opener, reconciler=reconciler,
                      ready=lambda: (True, {"ledger": True}), runs_changed=Broadcast(),
                      current_rate=lambda: limiter.snapshot().rate)
-    client: TestClient[object, object] = TestClient(TestServer(create_app(state),
-                                                               host="127.0.0.1", port=0))
+    app = create_app(state)
+    if routes is not None:
+        routes(app)
+    client: TestClient[object, object] = TestClient(TestServer(app, host="127.0.0.1", port=0))
     await client.start_server()
     try:
         yield Api(client, state, ledger, queue, db, scan_wakeup)

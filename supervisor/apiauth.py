@@ -14,7 +14,8 @@
 * **The failure throttle**, shared by the Bearer API and the status page's login: a token
   bucket per client (an IPv4 address or an IPv6 /64) and one for all clients together.
   A client past its bucket, or any client while the shared one is empty, gets 429 before
-  its credentials are looked at, so throttled guesses learn nothing. A client that has
+  its credentials are looked at, so throttled guesses learn nothing (a request without
+  credentials is no guess: it gets its 401). A client that has
   proven a token since start is held by its own bucket only: an attacker spreading
   guesses over many addresses cannot lock out the cron caller or an operator. Failures
   are counted (``cleanup_auth_failures_total{route}``) and logged at most once per
@@ -296,11 +297,15 @@ def authorize(request: web.Request, scope: Scope) -> Role:
     guard = request.app[GUARD]
     route = route_of(request)
     client = guard.client(request)
-    guard.hold(client, route)
-    scheme, _, supplied = request.headers.get("Authorization", "").partition(" ")
+    header = request.headers.get("Authorization", "")
+    scheme, _, supplied = header.partition(" ")
+    # No credentials are no guess: a 401, whatever the throttle says (nothing to hold back).
+    presented = bool(header.strip())
+    if presented:
+        guard.hold(client, route)
     role = guard.identify(supplied)
     if scheme.lower() != "bearer" or role is None:
-        if supplied.strip() or scheme.strip():
+        if presented:
             guard.failed(client, route)
         raise Refused(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
     guard.succeeded(client)

@@ -27,7 +27,7 @@ from supervisor.apiauth import requires as requires
 from supervisor.config import Config
 from supervisor.errors import IllegalTransition
 from supervisor.ledger.base import Ledger, LedgerStats, Operation, Run
-from supervisor.openapi import DOCUMENT, PRINTABLE, TICK_KEY
+from supervisor.openapi import PRINTABLE, TICK_KEY, document_for
 from supervisor.push import PushReceiver, PushRejected, answer_body, parse_delivery, verify
 from supervisor.reconcile import RESOLUTIONS, Reconciler
 from supervisor.runs import Broadcast, RunOpener, Tick
@@ -495,7 +495,7 @@ async def metrics_handler(request: web.Request) -> web.StreamResponse:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return _json(DOCUMENT)
+    return _json(document_for(request.app[API].config.source.kind))
 
 
 def create_app(state: ApiState) -> web.Application:

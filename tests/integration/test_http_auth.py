@@ -174,7 +174,7 @@ async def test_failures_are_counted_by_route_template_and_then_throttled(
     caplog.set_level(logging.WARNING, logger="supervisor.apiauth")
     route = "/v1/runs/{run_id}"
     before = sample("cleanup_auth_failures_total", route=route)
-    held_before = sample("cleanup_auth_throttled_total", route=route)
+    held_before = sample("cleanup_auth_throttled_total", route="/v1/runs")
     async with running_api(load(tmp_path, service__auth_failures_per_minute="3")) as api:
         for i in range(3):
             status, _, headers = await call(api, "GET", f"/v1/runs/x%0AFORGED{i}", f"guess-{i}")
@@ -185,10 +185,11 @@ async def test_failures_are_counted_by_route_template_and_then_throttled(
         assert status == 429
         assert 1 <= int(headers["Retry-After"]) <= 20
         assert "too many failed authentications" in doc["error"]
-        # No credentials at all is no guess: a 401 that costs nothing.
-        assert (await call(api, "GET", "/healthz", None))[0] == 200
+        # No credentials at all is no guess: its 401, even now, and it costs nothing.
+        assert (await call(api, "GET", "/v1/runs", None))[0] == 401
+        assert (await call(api, "GET", "/v1/runs", TOKEN))[0] == 429
     assert sample("cleanup_auth_failures_total", route=route) - before == 3
-    assert sample("cleanup_auth_throttled_total", route="/v1/runs") - held_before == 1
+    assert sample("cleanup_auth_throttled_total", route="/v1/runs") - held_before == 2
     lines = [r.getMessage() for r in caplog.records if r.name == "supervisor.apiauth"]
     assert lines and all("\n" not in line for line in lines)
     assert lines[0].startswith("authentication failed on /v1/runs/{run_id} from 127.0.0.1")

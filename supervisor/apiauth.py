@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from supervisor import metrics
+from supervisor.authsettings import resolve_access
 from supervisor.config import Config
 from supervisor.configtypes import Secret
 
@@ -202,6 +203,8 @@ class Guard:
     clock: Callable[[], float] = time.monotonic
     throttle: FailureThrottle = field(init=False)
     proxies: tuple[IPNetwork, ...] = field(init=False)
+    allowed_hosts: tuple[str, ...] = field(init=False)
+    hsts_seconds: int = field(init=False)
     _tokens: tuple[tuple[Role, Secret | None], ...] = field(init=False)
     _log: _Unlogged = field(init=False)
 
@@ -211,6 +214,10 @@ class Guard:
                                         c.service.auth_failures_per_minute_total, self.clock)
         self.proxies = tuple(ipaddress.ip_network(p, strict=False)
                              for p in c.service.trusted_proxies)
+        # load() decided the unset defaults already; a Config built in code has not.
+        service, _ = resolve_access({"service": c.service, "status": c.status,
+                                     "infrai": c.infrai})
+        self.allowed_hosts, self.hsts_seconds = service.allowed_hosts, service.hsts_seconds or 0
         self._tokens = ((Role.OPERATOR, c.trigger.token), (Role.TICK, c.trigger.tick_token),
                         (Role.VIEWER, c.status.token), (Role.METRICS, c.service.metrics_token))
         self._log = _Unlogged(self.clock)
@@ -271,7 +278,7 @@ class Guard:
         self.throttle.succeeded(client)
 
     def host_allowed(self, host: str | None) -> bool:
-        allowed = self.config.service.allowed_hosts
+        allowed = self.allowed_hosts
         if host is None or "*" in allowed:
             return True
         if _parse_ip(host) is not None:
@@ -343,7 +350,7 @@ async def secure_headers(request: web.Request, response: web.StreamResponse) -> 
     chose its own caching keeps it), and pinned to HTTPS when HSTS is on."""
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
     response.headers.setdefault("Cache-Control", "no-store")
-    hsts = request.app[GUARD].config.service.hsts_seconds
+    hsts = request.app[GUARD].hsts_seconds
     if hsts:
         response.headers.setdefault("Strict-Transport-Security", f"max-age={hsts}")
 

@@ -115,7 +115,8 @@ async def test_the_tick_token_does_nothing_else(http_api: Api, api: Api) -> None
     assert (await http_api.counts())[0] == 0
     assert (await api.counts())[0] == 1  # only the ambiguous_op's run
     op = await api.ledger.get_operation(op_id)
-    assert op is not None and op.state is OpState.AMBIGUOUS
+    assert op is not None
+    assert op.state is OpState.AMBIGUOUS
 
 
 async def test_recipient_ids_are_refused_unless_the_source_is_inline(http_api: Api) -> None:
@@ -191,7 +192,8 @@ async def test_failures_are_counted_by_route_template_and_then_throttled(
     assert sample("cleanup_auth_failures_total", route=route) - before == 3
     assert sample("cleanup_auth_throttled_total", route="/v1/runs") - held_before == 2
     lines = [r.getMessage() for r in caplog.records if r.name == "supervisor.apiauth"]
-    assert lines and all("\n" not in line for line in lines)
+    assert lines
+    assert all("\n" not in line for line in lines)
     assert lines[0].startswith("authentication failed on /v1/runs/{run_id} from 127.0.0.1")
     assert not any("FORGED" in line or "guess" in line for line in lines)
 
@@ -209,7 +211,8 @@ async def test_the_overall_limit_holds_new_clients_not_proven_ones(tmp_path: Pat
             assert status == 401
         status, _, headers = await call(api, "GET", "/v1/runs", TOKEN,
                                         **{"X-Forwarded-For": "203.0.113.99"})
-        assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert status == 429
+        assert int(headers["Retry-After"]) >= 1
         # The client that proved a token before is held by its own limit only.
         assert (await call(api, "GET", "/v1/runs", TOKEN,
                            **{"X-Forwarded-For": "198.51.100.1"}))[0] == 200

@@ -114,7 +114,8 @@ def test_every_token_must_differ_from_the_others() -> None:
 def test_the_tick_and_metrics_tokens_are_optional_and_never_from_the_file(
         tmp_path: Path) -> None:
     cfg = config.load(None, environ=TOKEN_ENV)
-    assert cfg.trigger.tick_token is None and cfg.service.metrics_token is None
+    assert cfg.trigger.tick_token is None
+    assert cfg.service.metrics_token is None
     cfg = config.load(None, environ={**TOKEN_ENV, "CLEANUP_TICK_TOKEN": LONG})
     assert cfg.trigger.tick_token == Secret(LONG)
     found = problems(TOKEN_ENV, f'[trigger]\ntick_token = "{LONG}"\n', tmp_path)

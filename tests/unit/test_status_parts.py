@@ -69,11 +69,13 @@ def test_a_dropped_or_expired_session_frees_its_roles_place() -> None:
     a, b = sessions.create("operator"), sessions.create("operator")
     sessions.drop(a.id)
     c = sessions.create("operator")
-    assert sessions.get(b.id) is b and sessions.get(c.id) is c
+    assert sessions.get(b.id) is b
+    assert sessions.get(c.id) is c
     clock.t += 60
     assert sessions.get(b.id) is None
     d, e = sessions.create("operator"), sessions.create("operator")
-    assert sessions.get(d.id) is d and sessions.get(e.id) is e
+    assert sessions.get(d.id) is d
+    assert sessions.get(e.id) is e
 
 
 # -- the chart's history -------------------------------------------------------------------

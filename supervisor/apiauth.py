@@ -306,8 +306,9 @@ def authorize(request: web.Request, scope: Scope) -> Role:
     client = guard.client(request)
     header = request.headers.get("Authorization", "")
     scheme, _, supplied = header.partition(" ")
-    # No credentials are no guess: a 401, whatever the throttle says (nothing to hold back).
-    presented = bool(header.strip())
+    # No token (no header, or a scheme alone) is no guess: a 401, whatever the throttle
+    # says (nothing to hold back), and nothing counted.
+    presented = bool(supplied.strip())
     if presented:
         guard.hold(client, route)
     role = guard.identify(supplied)

@@ -172,10 +172,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_async(run_demo(opts))
 
 
-async def _request(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+async def _request(method: str, url: str, body: Any = None, tick: bool = False
+                   ) -> tuple[int, Any]:
+    """``tick``: a cron caller holding only the tick token may send that instead."""
     import aiohttp
 
     token = os.environ.get("CLEANUP_TRIGGER_TOKEN", "")
+    if tick and not token:
+        token = os.environ.get("CLEANUP_TICK_TOKEN", "")
     headers = {"Authorization": f"Bearer {token}"}
     data = None
     if body is not None:
@@ -231,7 +235,8 @@ def cmd_trigger(args: argparse.Namespace) -> int:
         body["recipient_ids"] = args.ids
     if args.via == "infrai":
         return _trigger_via_infrai(args, body)
-    status, doc = run_async(_request("POST", f"{args.url.rstrip('/')}/v1/runs", body))
+    status, doc = run_async(_request("POST", f"{args.url.rstrip('/')}/v1/runs", body,
+                                     tick=True))
     print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
     return 0 if status < 300 else EXIT_RUNTIME
 
@@ -456,7 +461,8 @@ def parser() -> argparse.ArgumentParser:
     push.set_defaults(func=cmd_infrai_push)
 
     url_default = os.environ.get("CLEANUP_URL", "http://127.0.0.1:8080")
-    s = sub.add_parser("trigger", help="open a run (token from $CLEANUP_TRIGGER_TOKEN)")
+    s = sub.add_parser("trigger", help="open a run (token from $CLEANUP_TRIGGER_TOKEN, "
+                                       "else $CLEANUP_TICK_TOKEN)")
     s.add_argument("--url", default=url_default)
     s.add_argument("--schedule")
     s.add_argument("--scheduled-for", help="ISO 8601 slot this tick stands for")

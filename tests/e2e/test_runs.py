@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import secrets
 from datetime import UTC, datetime
 
 import pytest
@@ -121,3 +123,23 @@ async def test_repeated_tick_opens_one_run(e2e):
     assert stats["pages_served"] == 6  # each run's source was scanned exactly once
     assert stats["executions"] == 600  # 200 by each run: the later ones find them absent
     assert stats["duplicates"] == 200  # recipients asked for again (by later runs, on purpose)
+
+
+async def test_a_cron_caller_holding_only_the_tick_token_opens_runs_and_nothing_else(e2e):
+    sandbox = await e2e.sandbox("--recipients", 20, "--rate", 400)
+    svc = e2e.service(sandbox)
+    tick = secrets.token_urlsafe(24)
+    svc.env["CLEANUP_TICK_TOKEN"] = tick
+    await svc.start()
+    env = {k: v for k, v in e2e.env.items() if k != "CLEANUP_TRIGGER_TOKEN"}
+    env["CLEANUP_TICK_TOKEN"] = tick
+    code, out, err = await e2e.cli("trigger", "--url", svc.url, env=env)
+    assert code == 0, (out, err)
+    run_id = json.loads(out)["run"]["id"]
+    code, out, _ = await e2e.cli("trigger", "--url", svc.url, "victim-1", env=env)
+    assert code != 0
+    assert "recipient_ids is refused" in json.loads(out)["error"]
+    status, doc = await svc.request("GET", "/v1/runs", auth=False,
+                                    headers={"Authorization": f"Bearer {tick}"})
+    assert (status, doc) == (403, {"error": "the tick token may not read the API"})
+    await e2e.assert_complete(svc, await svc.wait_done(run_id), sandbox)

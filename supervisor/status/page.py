@@ -202,9 +202,11 @@ async def login(request: web.Request) -> web.Response:
     if form is None:
         return _unreadable(None)
     token = form.get("token")
-    found = guard.identify(token if isinstance(token, str) else "")
+    supplied = token if isinstance(token, str) else ""
+    found = guard.identify(supplied)
     if found is None:
-        guard.failed(address, "/login")
+        if supplied.strip():  # an empty field is no guess
+            guard.failed(address, "/login")
         return _html(render.login_page("Wrong token."), 401)
     guard.succeeded(address)
     if found not in (Role.OPERATOR, Role.VIEWER):

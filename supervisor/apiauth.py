@@ -197,7 +197,7 @@ def client_key(ip: IPAddress | None) -> str:
 
 @dataclass
 class Guard:
-    """The app's one view of who is calling (``request.app[GUARD]``)."""
+    """The app's one view of who is calling (``request.config_dict[GUARD]``)."""
 
     config: Config
     clock: Callable[[], float] = time.monotonic
@@ -301,7 +301,7 @@ def route_of(request: web.Request) -> str:
 def authorize(request: web.Request, scope: Scope) -> Role:
     """The caller's role, once its Bearer token is shown to grant ``scope``; else raise
     :class:`Refused` (401, 403 or 429)."""
-    guard = request.app[GUARD]
+    guard = request.config_dict[GUARD]
     route = route_of(request)
     client = guard.client(request)
     header = request.headers.get("Authorization", "")
@@ -340,7 +340,7 @@ def requires(scope: Scope) -> Callable[[Handler], Handler]:
 async def host_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """A Host outside service.allowed_hosts is 421 before any handler runs: a page whose
     name was rebound to this address must not read even the open routes."""
-    if not request.app[GUARD].host_allowed(request.headers.get("Host")):
+    if not request.config_dict[GUARD].host_allowed(request.headers.get("Host")):
         raise Refused(421, "this service does not answer to that Host name "
                            "(service.allowed_hosts)")
     return await handler(request)
@@ -351,7 +351,7 @@ async def secure_headers(request: web.Request, response: web.StreamResponse) -> 
     chose its own caching keeps it), and pinned to HTTPS when HSTS is on."""
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
     response.headers.setdefault("Cache-Control", "no-store")
-    hsts = request.app[GUARD].hsts_seconds
+    hsts = request.config_dict[GUARD].hsts_seconds
     if hsts:
         response.headers.setdefault("Strict-Transport-Security", f"max-age={hsts}")
 

@@ -130,7 +130,7 @@ def _refused(request: web.Request, why: str, session: Session | None) -> web.Res
 def _address(request: web.Request) -> str:
     """The client as the failure throttle counts it (behind service.trusted_proxies,
     the address a proxy forwarded for)."""
-    return request.app[GUARD].client(request)
+    return request.config_dict[GUARD].client(request)
 
 
 Form = MultiDictProxy[str | bytes | bytearray | web.FileField]
@@ -186,7 +186,7 @@ async def login_form(request: web.Request) -> web.Response:
 
 async def login(request: web.Request) -> web.Response:
     ctx = _ctx(request)
-    guard = request.app[GUARD]
+    guard = request.config_dict[GUARD]
     address = _address(request)
     try:  # the API's throttle: failures here and on the Bearer API count together
         guard.hold(address, "/login")

@@ -46,7 +46,7 @@ async def scan_and_publish(source: Path, data_dir: Path) -> dict[str, float]:
     from supervisor.states import RunState
 
     cfg = config.load(REPO / "config/default.toml", {
-        "CLEANUP_TRIGGER_TOKEN": "unused", "CLEANUP__SERVICE__DATA_DIR": str(data_dir),
+        "CLEANUP_TRIGGER_TOKEN": "unused" * 8, "CLEANUP__SERVICE__DATA_DIR": str(data_dir),
         "CLEANUP__SOURCE__KIND": "file", "CLEANUP__SOURCE__PATH": str(source)})
     db = Database(cfg.ledger_path)
     await db.open()

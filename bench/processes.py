@@ -327,7 +327,7 @@ class Service:
     def __init__(self, http: aiohttp.ClientSession, config: Path, port: int, cwd: Path,
                  log: Path, env: dict[str, str]) -> None:
         self.http, self.config, self.port, self.cwd, self.log = http, config, port, cwd, log
-        self.trigger_token = secrets.token_urlsafe(18)
+        self.trigger_token = secrets.token_urlsafe(24)  # 32 characters: the minimum
         self.env = {**env, "CLEANUP_TRIGGER_TOKEN": self.trigger_token}
         self.base = f"http://127.0.0.1:{port}"
         self.auth = {"Authorization": f"Bearer {self.trigger_token}"}

@@ -1,8 +1,8 @@
 """The rate budget for operators: what holds the workers now, and lifting it.
 
-* ``GET /v1/budget`` (the trigger or the viewer token): the rate, the learnt and the
+* ``GET /v1/budget`` (the operator or the viewer token): the rate, the learnt and the
   announced limits, a pause in force and why, the quotas, and the latest resumes.
-* ``POST /v1/budget/resume`` (the token that resolves operations) with
+* ``POST /v1/budget/resume`` (the operator token, which resolves operations too) with
   ``{"by", "reason", "forget_limit"}``: lifts the pause (and the partner's spent quotas;
   with ``forget_limit`` also the limit learnt from 429s and headers) for every worker, of
   every replica on PostgreSQL (the shared row and its NOTIFY). Recorded first, in the
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from supervisor.apiauth import Scope, authorize
 from supervisor.budget.base import Snapshot
 from supervisor.errors import StorageError
 from supervisor.ledger.base import OperatorAction
@@ -112,7 +113,7 @@ async def resume(api: ApiState, by: str, reason: str, forget_limit: bool) -> dic
 async def get_budget(request: web.Request) -> web.Response:
     from supervisor import http
 
-    http._authorize(request, read_only=True)
+    authorize(request, Scope.READ)
     api = request.app[http.API]
     if api.budget is None:
         raise http.ApiError(404, "no rate budget here")
@@ -122,7 +123,7 @@ async def get_budget(request: web.Request) -> web.Response:
 async def post_resume(request: web.Request) -> web.Response:
     from supervisor import http
 
-    http._authorize(request)  # as resolve: an operator's decision
+    authorize(request, Scope.OPERATE)  # as resolve: an operator's decision
     api = request.app[http.API]
     if api.budget is None:
         raise http.ApiError(404, "no rate budget here")

@@ -172,10 +172,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_async(run_demo(opts))
 
 
-async def _request(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+async def _request(method: str, url: str, body: Any = None, tick: bool = False
+                   ) -> tuple[int, Any]:
+    """``tick``: a cron caller holding only the tick token may send that instead."""
     import aiohttp
 
     token = os.environ.get("CLEANUP_TRIGGER_TOKEN", "")
+    if tick and not token:
+        token = os.environ.get("CLEANUP_TICK_TOKEN", "")
     headers = {"Authorization": f"Bearer {token}"}
     data = None
     if body is not None:
@@ -231,7 +235,8 @@ def cmd_trigger(args: argparse.Namespace) -> int:
         body["recipient_ids"] = args.ids
     if args.via == "infrai":
         return _trigger_via_infrai(args, body)
-    status, doc = run_async(_request("POST", f"{args.url.rstrip('/')}/v1/runs", body))
+    status, doc = run_async(_request("POST", f"{args.url.rstrip('/')}/v1/runs", body,
+                                     tick=True))
     print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
     return 0 if status < 300 else EXIT_RUNTIME
 
@@ -317,7 +322,7 @@ def cmd_infrai_cron(args: argparse.Namespace) -> int:
     kept as it is (applying twice changes nothing); ``status``: the job, its next run and
     its recent runs."""
     from supervisor.infrai.client import InfraiClient
-    from supervisor.infrai.cron import CronRefused, InfraiCron
+    from supervisor.infrai.cron import CronRefused, InfraiCron, masked
 
     cfg = config.load(_config_path(args.config))
     s = cfg.schedule
@@ -327,12 +332,17 @@ def cmd_infrai_cron(args: argparse.Namespace) -> int:
     if cfg.infrai.token is None:
         print(f"infrai cron: ${cfg.infrai.token_env} is not set", file=sys.stderr)
         return EXIT_USAGE
+    if args.action == "apply" and cfg.trigger.tick_token is None:
+        var = cfg.trigger.tick_token_env
+        print(f"infrai cron: trigger.tick_token_env: ${var} (or ${var}_FILE) is not set; "
+              "the job carries the tick token, never the operator token", file=sys.stderr)
+        return EXIT_USAGE
 
     async def act() -> dict[str, Any]:
         client = InfraiClient(cfg.infrai)
         await client.start()
         try:
-            cron = InfraiCron(client, cfg.infrai, cfg.trigger.token)
+            cron = InfraiCron(client, cfg.infrai, cfg.trigger.tick_token)
             spec = cron.spec(s.name, s.cron or "", s.timezone)
             if args.action == "apply":
                 done, job = await cron.apply(spec, replace=args.replace)
@@ -351,9 +361,8 @@ def cmd_infrai_cron(args: argparse.Namespace) -> int:
     except CronRefused as exc:
         print(f"infrai cron: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    # A record that echoes the job's headers would show the trigger token.
-    if isinstance(out.get("job"), dict) and "headers" in out["job"]:
-        out["job"]["headers"] = "***"
+    # Infrai's records may echo a job's headers anywhere (the job, its task, its runs).
+    out = masked(out, (cfg.trigger.tick_token, cfg.trigger.token, cfg.infrai.token))
     print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
     return 0
 
@@ -459,7 +468,7 @@ def parser() -> argparse.ArgumentParser:
     cron.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
     cron.add_argument("--runs", type=int, default=10, help="status: how many recent runs")
     cron.add_argument("--replace", action="store_true",
-                      help="apply: replace the job even if it looks the same (a new trigger token)")
+                      help="apply: replace the job even if it looks the same (a new tick token)")
     cron.set_defaults(func=cmd_infrai_cron)
     push = infrai.add_parser("push", help="register this service's push endpoint")
     push.add_argument("action", choices=["subscribe"])
@@ -469,7 +478,8 @@ def parser() -> argparse.ArgumentParser:
     push.set_defaults(func=cmd_infrai_push)
 
     url_default = os.environ.get("CLEANUP_URL", "http://127.0.0.1:8080")
-    s = sub.add_parser("trigger", help="open a run (token from $CLEANUP_TRIGGER_TOKEN)")
+    s = sub.add_parser("trigger", help="open a run (token from $CLEANUP_TRIGGER_TOKEN, "
+                                       "else $CLEANUP_TICK_TOKEN)")
     s.add_argument("--url", default=url_default)
     s.add_argument("--schedule")
     s.add_argument("--scheduled-for", help="ISO 8601 slot this tick stands for")

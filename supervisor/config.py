@@ -23,6 +23,13 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
 
+from supervisor.authsettings import (
+    StatusConfig,
+    TriggerConfig,
+    resolve_access,
+    service_problems,
+    token_problems,
+)
 from supervisor.configtypes import Secret, _positive
 from supervisor.errors import ConfigError
 from supervisor.events.settings import EventsConfig, resolve_sinks
@@ -31,7 +38,7 @@ from supervisor.ledger.settings import LedgerConfig
 
 ENV_PREFIX = "CLEANUP__"
 
-__all__ = ["Config", "InfraiConfig", "Secret", "load"]
+__all__ = ["Config", "InfraiConfig", "Secret", "StatusConfig", "TriggerConfig", "load"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +54,21 @@ class ServiceConfig:
     restart_backoff_max_seconds: float = 30.0
     max_restarts: int = 5
     restart_window_seconds: float = 60.0
+    # Who may call (supervisor/authsettings.py decides the unset defaults at load).
+    # Peers whose X-Forwarded-For names the client (CIDRs): a proxy in front.
+    trusted_proxies: tuple[str, ...] = ()
+    # Host header names answered (IP literals always are); unset: loopback names and the
+    # configured origin's host when listening on loopback, any host elsewhere.
+    allowed_hosts: tuple[str, ...] = ()
+    # Optional Bearer token for /metrics.
+    metrics_token_env: str = "CLEANUP_METRICS_TOKEN"
+    metrics_token: Secret | None = None
+    # Strict-Transport-Security max-age; unset: a year off loopback, none on it; 0: never.
+    hsts_seconds: int | None = None
+    # Failed authentications (Bearer or login form) a client, and all clients, may make
+    # in a minute before 429.
+    auth_failures_per_minute: int = 10
+    auth_failures_per_minute_total: int = 100
 
     @property
     def host(self) -> str:
@@ -64,19 +86,7 @@ class ServiceConfig:
         out += _positive("service", self, "shutdown_grace_seconds", "max_body_bytes",
                          "restart_backoff_seconds", "restart_backoff_max_seconds",
                          "max_restarts", "restart_window_seconds")
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class TriggerConfig:
-    token_env: str = "CLEANUP_TRIGGER_TOKEN"
-    token: Secret | None = None  # resolved from token_env, never read from the file
-
-    def problems(self) -> list[str]:
-        if self.token is None:
-            return [f"trigger.token_env: ${self.token_env} (or ${self.token_env}_FILE) is not "
-                    "set; the trigger endpoint never runs without a token"]
-        return []
+        return out + service_problems(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,36 +310,6 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class StatusConfig:
-    """The status page at ``/`` for a person (supervisor/status): a browser login with
-    the trigger token (an operator: may resolve) or the read-only token (a viewer)."""
-
-    enabled: bool = True
-    # Optional: unset, only operators can log in; never an error.
-    token_env: str = "CLEANUP_STATUS_TOKEN"
-    token: Secret | None = None  # resolved from token_env, never read from the file
-    # Sessions live in this process's memory: a restart logs everyone out.
-    session_seconds: float = 8 * 3600.0
-    # True behind TLS: the cookie is then only sent over HTTPS (and named __Host-...).
-    secure_cookie: bool = False
-    # scheme://host[:port] the browser sees, when a proxy rewrites the Host header; a
-    # form's Origin must match it. Empty: the Host header of the request is the origin.
-    origin: str = ""
-    # Failed logins from one address within a minute before it must wait (429).
-    login_failures_per_minute: int = 10
-
-    def problems(self) -> list[str]:
-        out = _positive("status", self, "session_seconds", "login_failures_per_minute")
-        if self.origin:
-            parts = urlsplit(self.origin)
-            if parts.scheme not in ("http", "https") or not parts.netloc or \
-                    parts.path not in ("", "/") or parts.query or parts.fragment:
-                out.append("status.origin must be scheme://host[:port] (no path), "
-                           f"got {self.origin!r}")
-        return out
-
-
-@dataclass(frozen=True, slots=True)
 class Config:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
@@ -349,7 +329,7 @@ class Config:
 
 
 _SECTIONS: dict[str, type[Any]] = {f.name: f.type for f in dataclasses.fields(Config)}  # type: ignore[misc]
-_SECRET_FIELDS = {"token", "secret", "push_secret", "dsn"}
+_SECRET_FIELDS = {"token", "tick_token", "metrics_token", "secret", "push_secret", "dsn"}
 
 
 # How every "this secret's variable is not set" problem reads (config, ledger, infrai,
@@ -401,6 +381,7 @@ def load(path: Path | None, environ: Mapping[str, str] | None = None,
     sections["infrai"], more = resolve_push_secret(sections["infrai"], env)
     problems += more
     problems += _across(sections)
+    sections["service"], sections["status"] = resolve_access(sections)
     if not require_secrets:
         problems = [p for p in problems if not _MISSING_SECRET.search(p)]
     if problems:
@@ -410,13 +391,7 @@ def load(path: Path | None, environ: Mapping[str, str] | None = None,
 
 def _across(sections: Mapping[str, Any]) -> list[str]:
     """Problems that take two sections to see."""
-    out = []
-    viewer, operator = sections["status"].token, sections["trigger"].token
-    if viewer is not None and viewer == operator:
-        # The page could not tell a viewer from an operator: the read-only token would
-        # grant resolving.
-        out.append(f"status.token_env: ${sections['status'].token_env} holds the trigger "
-                   "token; the read-only token must differ from it")
+    out = token_problems(sections)
     if sections["infrai"].delivery == "push" and sections["queue"].backend != "infrai":
         out.append("infrai.delivery = 'push' needs queue.backend = 'infrai' (Infrai pushes "
                    "the messages published to its queue)")
@@ -498,36 +473,31 @@ def _build(section: str, cls: type[Any], table: dict[str, Any],
             bad_keys.add(key)
         else:
             kwargs[key] = converted
-    if "token_env" in names:
-        default_env = next(f.default for f in dataclasses.fields(cls) if f.name == "token_env")
-        var = kwargs.get("token_env", default_env)
+    # Each ``*token_env`` (and ``dsn_env``) key names the variable of the field beside it.
+    for f in dataclasses.fields(cls):
+        if not f.name.endswith(("token_env", "dsn_env")) or f.name[:-4] not in names:
+            continue
+        var = kwargs.get(f.name, f.default)
         if var:
-            secret, problem = _read_secret(section, str(var), env)
+            secret, problem = _read_secret(f"{section}.{f.name}", str(var), env)
             if problem:
                 problems.append(problem)
-                bad_keys.add("token_env")
-            kwargs["token"] = secret
-    if "dsn_env" in names:
-        var = kwargs.get("dsn_env", "CLEANUP_DATABASE_URL")
-        secret, problem = _read_secret(section, str(var), env)
-        if problem:
-            problems.append(problem.replace(f"{section}.token_env", f"{section}.dsn_env"))
-            bad_keys.add("dsn_env")
-        kwargs["dsn"] = secret
+                bad_keys.add(f.name)
+            kwargs[f.name[:-4]] = secret
     return cls(**kwargs), problems, bad_keys
 
 
-def _read_secret(section: str, var: str, env: Mapping[str, str]) -> tuple[Secret | None, str]:
+def _read_secret(key: str, var: str, env: Mapping[str, str]) -> tuple[Secret | None, str]:
     if var in env:
         value = env[var].strip()
-        return (Secret(value), "") if value else (None, f"{section}.token_env: ${var} is empty")
+        return (Secret(value), "") if value else (None, f"{key}: ${var} is empty")
     file_var = f"{var}_FILE"
     if file_var in env:
         try:
             value = Path(env[file_var]).read_text(encoding="utf-8").strip()
         except OSError as exc:
-            return None, f"{section}.token_env: ${file_var} cannot be read: {exc.strerror}"
-        return (Secret(value), "") if value else (None, f"{section}.token_env: ${file_var} is empty")
+            return None, f"{key}: ${file_var} cannot be read: {exc.strerror}"
+        return (Secret(value), "") if value else (None, f"{key}: ${file_var} is empty")
     return None, ""
 
 
@@ -556,6 +526,10 @@ def _convert_tables(key: str, cls: type[Any], value: Any) -> tuple[Any, str]:
 
 def _convert(key: str, hint: Any, value: Any) -> tuple[Any, str]:
     origin = typing.get_origin(hint)
+    if origin is tuple and typing.get_args(hint)[0] is str:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return None, f"{key} must be a list of strings, got {value!r}"
+        return tuple(value), ""
     if origin is tuple:
         return _convert_tables(key, typing.get_args(hint)[0], value)
     if origin in (types.UnionType, typing.Union):

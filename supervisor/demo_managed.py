@@ -21,7 +21,6 @@ import aiohttp
 import orjson
 
 from supervisor import config
-from supervisor.configtypes import Secret
 from supervisor.demo import (
     DemoOptions,
     demo_environ,
@@ -45,6 +44,7 @@ def free_port() -> int:
 
 async def run_managed(opts: DemoOptions) -> int:
     partner_token, trigger_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    tick_token = secrets.token_urlsafe(24)  # what Infrai's cron job carries
     infrai_key, control = "ifr_" + secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     hooks = [WebhookSink(f"hook-{i}", f"DEMO_HOOK_{i}") for i in range(2)]
     sandbox_args = ["--recipients", str(opts.recipients), "--rate", str(opts.partner_rate),
@@ -70,6 +70,7 @@ async def run_managed(opts: DemoOptions) -> int:
                 "CLEANUP__QUEUE__BACKEND": "infrai", "CLEANUP__INFRAI__BASE_URL": emulator.url,
                 "CLEANUP__INFRAI__TRIGGER_URL": f"{service_url}/v1/runs",
                 "CLEANUP__EVENTS__SINK": sinks, "INFRAI_API_KEY": infrai_key,
+                "CLEANUP_TICK_TOKEN": tick_token,
                 **{h.secret_env: h.secret for h in hooks}})
             cfg = config.load(opts.config_path, environ)
             service = Service(cfg)
@@ -101,7 +102,7 @@ async def _drive(cfg: config.Config, service_url: str, trigger_token: str, partn
     auth = {"Authorization": f"Bearer {trigger_token}"}
     started = time.monotonic()
     try:
-        cron = InfraiCron(client, cfg.infrai, Secret(trigger_token))
+        cron = InfraiCron(client, cfg.infrai, cfg.trigger.tick_token)
         done, job = await cron.apply(cron.spec(cfg.schedule.name, cfg.schedule.cron or "",
                                                cfg.schedule.timezone))
         print(f"infrai cron apply: {done} job {job['cron_id']} ({job['schedule']}); "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import re
 import time
@@ -18,12 +17,19 @@ from aiohttp import web
 from prometheus_async.aio.web import server_stats
 
 from supervisor import exclusions, metrics
+
+# Scope, authorize and requires are also for route modules beside this one (the budget
+# API): one scope check for every route.
+from supervisor.apiauth import Refused, Role, host_middleware, install
+from supervisor.apiauth import Scope as Scope
+from supervisor.apiauth import authorize as authorize
+from supervisor.apiauth import requires as requires
 from supervisor.budget.base import RateBudget
 from supervisor.budget_api import add_budget_routes
 from supervisor.config import Config
 from supervisor.errors import IllegalTransition, StorageError
 from supervisor.ledger.base import Ledger, LedgerStats, Operation, Run
-from supervisor.openapi import DOCUMENT, PRINTABLE, TICK_KEY
+from supervisor.openapi import PRINTABLE, TICK_KEY, document_for
 from supervisor.push import PushReceiver, PushRejected, answer_body, parse_delivery, verify
 from supervisor.reconcile import RESOLUTIONS, Reconciler
 from supervisor.runs import Broadcast, RunOpener, Tick
@@ -91,6 +97,10 @@ async def error_middleware(request: web.Request,
         return await handler(request)
     except ApiError as exc:
         return _error(exc.status, exc.message)
+    except Refused as exc:
+        response = _error(exc.status, exc.message)
+        response.headers.update(exc.headers)
+        return response
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[API].config.service.max_body_bytes
         return _error(413, f"request body larger than {limit} bytes")
@@ -110,27 +120,15 @@ async def error_middleware(request: web.Request,
         response.headers["Retry-After"] = "5"
         return response
     except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
+        # %r: a decoded %0A in the path must not start a forged log line.
+        log.exception("unhandled error in %s %r", request.method, request.path)
         return _error(500, "internal error; see the service log")
 
 
-def _authorize(request: web.Request, read_only: bool = False) -> None:
-    """The trigger token; with ``read_only`` also the status page's read-only token (a
-    digest builder or a dashboard needs to read, never to trigger or resolve)."""
-    config = request.app[API].config
-    token, viewer = config.trigger.token, config.status.token
-    header = request.headers.get("Authorization", "")
-    scheme, _, supplied = header.partition(" ")
-    # Compare in constant time, against both tokens every time, and even when the header
-    # is malformed, so the timing reveals neither which check failed nor which token.
-    # surrogateescape: header bytes that are not UTF-8 arrive as lone surrogates, and a
-    # wrong token must be a 401, not an encoding error.
-    given = supplied.strip().encode("utf-8", "surrogateescape")
-    ok = hmac.compare_digest(given, token.reveal().encode() if token else b"\x00")
-    ok_viewer = hmac.compare_digest(given, viewer.reveal().encode() if viewer else b"\x00")
-    allowed = (token is not None and ok) or (read_only and viewer is not None and ok_viewer)
-    if scheme.lower() != "bearer" or not allowed:
-        raise ApiError(401, "missing or wrong bearer token")
+def _authorize(request: web.Request, read_only: bool = False) -> Role:
+    """``authorize`` for the API's own routes: read-only ones need :attr:`Scope.READ`
+    (the viewer's token, or the operator's), the others :attr:`Scope.OPERATE`."""
+    return authorize(request, Scope.READ if read_only else Scope.OPERATE)
 
 
 def run_view(run: Run, counts: dict[OpState, int] | None = None,
@@ -214,6 +212,11 @@ async def _tick_from(request: web.Request) -> Tick:
         raise ApiError(400, "schedule must be a string of 1 to 100 printable characters")
     slot = _parse_slot(doc["scheduled_for"]) if "scheduled_for" in doc else None
     ids = doc.get("recipient_ids")
+    if ids is not None and config.source.kind != "inline":
+        # The run reads its candidates from the configured source: a caller must not
+        # add recipients of its choosing to a deletion run.
+        raise ApiError(400, f"recipient_ids is refused: source.kind is "
+                            f"{config.source.kind!r}, so the run reads its candidates there")
     if ids is not None:
         if not isinstance(ids, list):
             raise ApiError(400, "recipient_ids must be a list of strings")
@@ -232,13 +235,22 @@ async def _tick_from(request: web.Request) -> Tick:
 
 
 async def post_run(request: web.Request) -> web.Response:
-    _authorize(request)
+    role = authorize(request, Scope.TICK)
     api = request.app[API]
     if not api.accepting:
         raise ApiError(503, "shutting down; not accepting triggers")
     if not api.ledger.healthy:
         raise ApiError(503, "ledger cannot commit; not accepting triggers")
     tick = await _tick_from(request)
+    if role is Role.TICK:
+        # A cron caller's token (stored at Infrai) opens the configured schedule's run of
+        # the configured source, and nothing a caller chooses.
+        if tick.recipient_ids is not None:
+            raise ApiError(403, "recipient_ids: the tick token may not name recipients; "
+                                "the operator token may")
+        if tick.schedule != api.config.schedule.name:
+            raise ApiError(403, f"schedule: the tick token opens runs of schedule "
+                                f"{api.config.schedule.name!r} only")
     result = await api.opener.open(tick)
     if result.run is None:
         assert result.skipped_for is not None
@@ -380,7 +392,7 @@ def _cursor_param(request: web.Request) -> str | None:
 
 async def resolve_operation(request: web.Request) -> web.Response:
     """An operator's decision on an ambiguous operation, with who decided and why."""
-    _authorize(request)
+    authorize(request, Scope.OPERATE)
     api = request.app[API]
     doc = await _json_body(request)
     unknown = set(doc) - {"outcome", "by", "reason"}
@@ -487,18 +499,22 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics_handler(request: web.Request) -> web.StreamResponse:
+    if request.app[API].config.service.metrics_token is not None:
+        authorize(request, Scope.METRICS)
     response: web.StreamResponse = await server_stats(request)
     return response
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return _json(DOCUMENT)
+    return _json(document_for(request.app[API].config.source.kind))
 
 
 def create_app(state: ApiState) -> web.Application:
-    app = web.Application(middlewares=[error_middleware],
+    # error_middleware first: it answers what the Host check refuses.
+    app = web.Application(middlewares=[error_middleware, host_middleware],
                           client_max_size=state.config.service.max_body_bytes)
     app[API] = state
+    install(app, state.config)
     app.router.add_post("/v1/runs", post_run)
     app.router.add_get("/v1/runs", list_runs)
     app.router.add_get("/v1/runs/{run_id}", get_run)

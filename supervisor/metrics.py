@@ -166,6 +166,16 @@ PUSH_REPLAY_EVICTIONS = Counter(
     "Push deliveries forgotten by the replay cache before their signature expired because "
     "it was full (infrai.push_replay_cache_entries): a copy of one would be worked again.")
 
+# Who calls (supervisor/apiauth.py): route is the route template, never the client's text.
+AUTH_FAILURES = Counter(
+    "cleanup_auth_failures",
+    "Wrong credentials presented (a Bearer token on the API or /metrics, a token typed into "
+    "the status page's login), by route template.", ["route"])
+AUTH_THROTTLED = Counter(
+    "cleanup_auth_throttled",
+    "Requests answered 429 without looking at their credentials: their client, or every "
+    "client, failed too often in the last minute.", ["route"])
+
 # Completion events (supervisor/events/): one series per configured sink.
 EVENTS_LAG = Gauge(
     "cleanup_events_sink_lag_events",

@@ -6,6 +6,8 @@ it cannot drift from the handlers unnoticed.
 
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Any
 
 from supervisor import __version__
@@ -22,10 +24,14 @@ TICK_KEY = r"^[!-~]{1,200}$"
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    text = {400: "bad request", 401: "missing or wrong token", 404: "not found",
+    text = {400: "bad request", 401: "missing or wrong token",
+            403: "the token does not grant this (see the security schemes)", 404: "not found",
             409: "conflict", 413: "body too large", 415: "body must be JSON",
-            429: "held by the partner's limit: deliver again after Retry-After",
+            429: "held: try again after Retry-After (too many failed authentications from "
+                 "this client or overall; for a push delivery, the partner's limit)",
             503: "not accepting (shutting down or ledger fault)"}
+    if 401 in codes:  # every route behind a token: its scope, and the failure throttle
+        codes = tuple(sorted({*codes, 403, 429}))
     return {str(c): {"description": text[c],
                      "content": {"application/json": {"schema": _ERROR}}} for c in codes}
 
@@ -48,12 +54,15 @@ _STR_OR_NULL = {"type": ["string", "null"]}
 DOCUMENT: dict[str, Any] = {
     "openapi": "3.1.0",
     "info": {"title": "cleanup-supervisor", "version": __version__,
-             "description": "Ticks open runs; runs are paced, idempotent streams of deletions."},
-    "security": [{"bearer": []}],
+             "description": "Ticks open runs; runs are paced, idempotent streams of deletions. "
+                            "A Host header outside service.allowed_hosts is answered 421."},
+    # Reads: the viewer's token or the operator's.
+    "security": [{"viewer": []}, {"operator": []}],
     "paths": {
         "/v1/runs": {
             "post": {
                 "summary": "A tick: open a run, or return the one this tick already opened",
+                "security": [{"tick": []}, {"operator": []}],
                 "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
                                 "schema": {"type": "string", "pattern": TICK_KEY}}],
                 "requestBody": {"required": False, "content": {"application/json": {
@@ -143,6 +152,7 @@ DOCUMENT: dict[str, Any] = {
         "/v1/operations/{operation_id}/resolve": {
             "post": {
                 "summary": "An operator's decision on an ambiguous operation",
+                "security": [{"operator": []}],
                 "parameters": [{"name": "operation_id", "in": "path", "required": True,
                                 "schema": {"type": "string"}}],
                 "requestBody": {"required": True, "content": {"application/json": {
@@ -222,12 +232,30 @@ DOCUMENT: dict[str, Any] = {
             **_ok("ready", {"type": "object"}),
             "503": {"description": "not ready", "content": {"application/json": {
                 "schema": {"type": "object"}}}}}}},
-        "/metrics": {"get": {"security": [], "summary": "Prometheus metrics", "responses": {
-            "200": {"description": "metrics", "content": {"text/plain": {
-                "schema": {"type": "string"}}}}}}},
+        "/metrics": {"get": {
+            "security": [{}, {"metrics": []}, {"viewer": []}, {"operator": []}],
+            "summary": "Prometheus metrics",
+            "description": "Open unless service.metrics_token_env is set; then it needs the "
+                           "metrics, viewer or operator token.",
+            "responses": {
+                "200": {"description": "metrics", "content": {"text/plain": {
+                    "schema": {"type": "string"}}}},
+                **_errors(401)}}},
     },
     "components": {
-        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "securitySchemes": {
+            "operator": {"type": "http", "scheme": "bearer",
+                         "description": "trigger.token_env: opens runs (recipient_ids too, "
+                                        "with source.kind = 'inline'), resolves, retries, "
+                                        "lifts a budget pause, reads"},
+            "tick": {"type": "http", "scheme": "bearer",
+                     "description": "trigger.tick_token_env: opens runs of schedule.name, "
+                                    "without recipient_ids; nothing else"},
+            "viewer": {"type": "http", "scheme": "bearer",
+                       "description": "status.token_env: reads (and /metrics)"},
+            "metrics": {"type": "http", "scheme": "bearer",
+                        "description": "service.metrics_token_env: GET /metrics only"},
+        },
         "schemas": {
             "Error": {"type": "object", "required": ["error"],
                       "properties": {"error": {"type": "string"}}},
@@ -395,3 +423,14 @@ DOCUMENT: dict[str, Any] = {
         },
     },
 }
+
+
+@functools.cache
+def document_for(source_kind: str) -> dict[str, Any]:
+    """The document as this deployment answers it: a tick carries ``recipient_ids`` only
+    when the source is inline (elsewhere they are refused with a 400)."""
+    if source_kind == "inline":
+        return DOCUMENT
+    doc = copy.deepcopy(DOCUMENT)
+    del doc["components"]["schemas"]["Tick"]["properties"]["recipient_ids"]
+    return doc

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,6 +27,31 @@ from supervisor.infrai.client import InfraiClient, InfraiError
 _EXTENDED = re.compile(r"[LW#?]")
 _NAMES = re.compile(r"jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec|sun|mon|tue|wed|thu|"
                     r"fri|sat", re.IGNORECASE)
+
+
+# Fields of an Infrai record whose values are credentials at any depth (the job's
+# headers, a task's, a recent run's): never printed.
+SENSITIVE = frozenset({"headers", "authorization", "token", "secret", "password", "api_key",
+                       "apikey", "x-api-key", "cookie"})
+MASK = "***"
+
+
+def masked(record: Any, secrets: Iterable[Secret | None] = ()) -> Any:
+    """``record`` with every sensitive field, and every string holding one of
+    ``secrets``, replaced by ``***``, however deep Infrai nests them."""
+    values = [s.reveal() for s in secrets if s is not None and s.reveal()]
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: MASK if isinstance(k, str) and k.lower() in SENSITIVE else walk(v)
+                    for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, str) and any(secret in value for secret in values):
+            return MASK
+        return value
+
+    return walk(record)
 
 
 class CronRefused(CleanupError):
@@ -56,7 +82,7 @@ class CronSpec:
     payload: dict[str, Any] = field(default_factory=dict)
 
     def digest(self, token: Secret | None) -> str:
-        """Names this exact job, the trigger token included (without showing it)."""
+        """Names this exact job, the tick token included (without showing it)."""
         body = orjson.dumps(asdict(self), option=orjson.OPT_SORT_KEYS)
         secret = token.reveal().encode() if token else b""
         return hashlib.sha256(body + b"\0" + secret).hexdigest()[:16]
@@ -77,15 +103,22 @@ def job_id(job: Any) -> str:
         for key in ("cron_id", "id", "job_id"):
             if isinstance(job.get(key), str | int) and str(job[key]):
                 return str(job[key])
-    raise InfraiError("cron.create", 200, "NO_ID", f"no cron_id, id or job_id in {job!r}"[:200], "")
+    # The record's field names only, never its values: it may hold the job's headers.
+    fields = ", ".join(sorted(str(k)[:40] for k in job)[:20]) if isinstance(job, dict) else \
+        type(job).__name__
+    raise InfraiError("cron.create", 200, "NO_ID",
+                      f"no cron_id, id or job_id in the answer (it has: {fields})", "")
 
 
 class InfraiCron:
+    """``tick_token``: what the job sends as its Bearer token (trigger.tick_token_env),
+    never the operator token: anyone who can read the project's cron jobs holds it."""
+
     def __init__(self, client: InfraiClient, config: InfraiConfig,
-                 trigger_token: Secret | None) -> None:
+                 tick_token: Secret | None) -> None:
         self.client = client
         self.config = config
-        self.token = trigger_token
+        self.token = tick_token
         self._family: str = config.cron_paths
 
     def spec(self, name: str, schedule: str, timezone: str) -> CronSpec:
@@ -101,9 +134,9 @@ class InfraiCron:
     async def apply(self, spec: CronSpec, replace: bool = False) -> tuple[str, dict[str, Any]]:
         """Create the job, or keep it when it is already as specified; another job of
         the same name is replaced (no update route is documented). ``replace``: replace
-        it even so (Infrai does not show the trigger token it sends, so a rotated token
-        cannot be seen). Returns what was done ("created", "unchanged", "replaced") and
-        the job."""
+        it even so (Infrai does not show the token it sends, so a rotated token, or the
+        operator token an older version stored there, cannot be seen). Returns what was
+        done ("created", "unchanged", "replaced") and the job."""
         digest = spec.digest(self.token)
         existing = [j for j in await self.jobs() if j.get("name") == spec.name]
         same = [j for j in existing if _matches(j, spec)]

@@ -81,7 +81,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except asyncio.CancelledError:
         raise
     except Exception:
-        log.exception("sandbox handler failed: %s %s", request.method, request.path)
+        log.exception("sandbox handler failed: %s %r", request.method, request.path)
         return error_response(500, "internal_error", "the sandbox hit an unexpected error")
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from supervisor.status import budget_form
-from supervisor.status.auth import LoginThrottle, Sessions
+from supervisor.status.auth import Sessions
 from supervisor.status.history import History, metrics_reader
 from supervisor.status.page import (
     STATUS,
@@ -46,7 +46,6 @@ def add_status_routes(app: web.Application, state: ApiState) -> None:
     history = History(metrics_reader(state.current_rate, state.config.limits.rate_per_second))
     app[STATUS] = StatusContext(
         api=state, config=config, sessions=Sessions(config.session_seconds),
-        throttle=LoginThrottle(config.login_failures_per_minute),
         data=StatusData(state.ledger, state.current_rate,
                         state.config.schedule.digest_cutoff_seconds, history,
                         projected_finish=state.projected_finish,

@@ -21,6 +21,7 @@ from aiohttp import web
 from multidict import MultiDictProxy
 
 from supervisor import budget_api
+from supervisor.apiauth import GUARD, Refused, Role
 from supervisor.config import StatusConfig
 from supervisor.errors import IllegalTransition, StorageError
 from supervisor.openapi import PRINTABLE
@@ -28,13 +29,13 @@ from supervisor.reconcile import RESOLUTIONS
 from supervisor.states import OpState
 from supervisor.status import render
 from supervisor.status.auth import (
-    LoginThrottle,
+    OPERATOR,
+    VIEWER,
     Session,
     Sessions,
     clear_session_cookie,
     cookie_name,
     csrf_ok,
-    role_for,
     same_origin,
     set_session_cookie,
 )
@@ -68,7 +69,6 @@ class StatusContext:
     api: ApiState
     config: StatusConfig
     sessions: Sessions
-    throttle: LoginThrottle
     data: StatusData
     history: History
     static: dict[str, StaticFile]
@@ -122,13 +122,16 @@ def _session(request: web.Request) -> Session | None:
 
 
 def _refused(request: web.Request, why: str, session: Session | None) -> web.Response:
-    log.warning("status page: refused %s %s from %s: %s", request.method, request.path,
-                request.remote, why, extra={"action": "status_refused"})
+    # %r: a decoded %0A in the path must not start a forged log line.
+    log.warning("status page: refused %s %r from %s: %s", request.method, request.path,
+                _address(request), why, extra={"action": "status_refused"})
     return _html(render.message_page("Refused", why, session), 403)
 
 
 def _address(request: web.Request) -> str:
-    return request.remote or "unknown"
+    """The client as the failure throttle counts it (behind service.trusted_proxies,
+    the address a proxy forwarded for)."""
+    return request.config_dict[GUARD].client(request)
 
 
 Form = MultiDictProxy[str | bytes | bytearray | web.FileField]
@@ -185,12 +188,14 @@ async def login_form(request: web.Request) -> web.Response:
 
 async def login(request: web.Request) -> web.Response:
     ctx = _ctx(request)
+    guard = request.config_dict[GUARD]
     address = _address(request)
-    wait = ctx.throttle.retry_after(address)
-    if wait > 0:
+    try:  # the API's throttle: failures here and on the Bearer API count together
+        guard.hold(address, "/login")
+    except Refused as exc:
         response = _html(render.login_page(
-            f"Too many failed logins from here; try again in {int(wait) + 1} s."), 429)
-        response.headers["Retry-After"] = str(int(wait) + 1)
+            f"Too many failed logins; try again in {exc.headers['Retry-After']} s."), 429)
+        response.headers.update(exc.headers)
         return response
     if not same_origin(request, ctx.config):
         return _refused(request, "The login form must be sent from this page's own origin.",
@@ -199,13 +204,17 @@ async def login(request: web.Request) -> web.Response:
     if form is None:
         return _unreadable(None)
     token = form.get("token")
-    role = role_for(token if isinstance(token, str) else "", ctx.api.config.trigger.token,
-                    ctx.config.token)
-    if role is None:
-        ctx.throttle.failed(address)
-        log.warning("status page: failed login from %s", address,
-                    extra={"action": "status_login_failed"})
+    supplied = token if isinstance(token, str) else ""
+    found = guard.identify(supplied)
+    if found is None:
+        if supplied.strip():  # an empty field is no guess
+            guard.failed(address, "/login")
         return _html(render.login_page("Wrong token."), 401)
+    guard.succeeded(address)
+    if found not in (Role.OPERATOR, Role.VIEWER):
+        return _html(render.login_page(f"The {found} token logs nobody in; use the operator "
+                                       "or the read-only token."), 403)
+    role = OPERATOR if found is Role.OPERATOR else VIEWER
     # A new ID at every login: a session ID planted before it is worth nothing after.
     old = request.cookies.get(cookie_name(ctx.config))
     if old:
@@ -307,7 +316,8 @@ async def data(request: web.Request) -> web.Response:
 async def static(request: web.Request) -> web.Response:
     item = _ctx(request).static.get(request.match_info["name"])
     if item is None:
-        raise web.HTTPNotFound(reason=f"no static file {request.match_info['name']}")
+        # No client text in the reason: a decoded %0A there is a 500 (and a forged log line).
+        raise web.HTTPNotFound(reason="no such static file")
     headers = {"ETag": item.etag, "Cache-Control": "no-cache"}
     if request.headers.get("If-None-Match") == item.etag:
         response = web.Response(status=304, headers=headers)

@@ -112,7 +112,7 @@ def ambiguous_table(ops: list[Operation], session: Session, more: bool, by: str)
                     '<code>cleanup-supervisor ambiguous</code>.</p>')
     if not session.can_resolve:
         note = Html(note + '<p class="muted">You are logged in read-only: an operator '
-                    '(the trigger token) resolves these.</p>')
+                    '(the operator token) resolves these.</p>')
     return Html(f'<div class="scroll"><table class="ops"><thead><tr>{head}</tr></thead>'
                 f'<tbody>{join(rows)}</tbody></table></div>{note}')
 

@@ -491,7 +491,8 @@ class Service:
         return dict(doc)
 
     async def metrics(self) -> Metrics:
-        async with self.e2e.http.get(f"{self.url}/metrics") as resp:
+        # Open by default; with service.metrics_token_env set the operator's token reads too.
+        async with self.e2e.http.get(f"{self.url}/metrics", headers=self._auth) as resp:
             assert resp.status == 200
             return Metrics(await resp.text())
 

@@ -126,9 +126,11 @@ class Prometheus:
         return Sample(float(v), float(t))
 
 
-async def start_prometheus(e2e: E2E, services: Sequence[Service]) -> Prometheus:
+async def start_prometheus(e2e: E2E, services: Sequence[Service],
+                           bearer: str | None = None) -> Prometheus:
     """Prometheus on a free loopback port scraping ``services`` every second under the
-    job the alert rules name, evaluating those rules every second; ready on return."""
+    job the alert rules name, evaluating those rules every second; ready on return.
+    ``bearer``: the token its scrapes send (service.metrics_token_env)."""
     program = binary("prometheus")
     root = e2e.tmp_path / "prometheus"
     root.mkdir()
@@ -139,6 +141,9 @@ async def start_prometheus(e2e: E2E, services: Sequence[Service]) -> Prometheus:
         "scrape_configs": [{"job_name": JOB, "static_configs": [
             {"targets": [f"127.0.0.1:{svc.port}" for svc in services]}]}],
     }
+    if bearer is not None:  # what packaging/compose-prometheus.yml shows, commented
+        config["scrape_configs"][0]["authorization"] = {"type": "Bearer",
+                                                        "credentials": bearer}
     (root / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = root / "prometheus.log"

@@ -54,7 +54,7 @@ def test_dlq_redrive_moves_dead_letters_back(emulator: str, tmp_path: Path) -> N
     cfg = tmp_path / "cleanup.toml"
     cfg.write_text(f'[queue]\nbackend = "infrai"\n[infrai]\nbase_url = "{emulator}"\n'
                    'queue = "ops"\n', encoding="utf-8")
-    env = {**os.environ, "INFRAI_API_KEY": KEY, "CLEANUP_TRIGGER_TOKEN": "t"}
+    env = {**os.environ, "INFRAI_API_KEY": KEY, "CLEANUP_TRIGGER_TOKEN": "t" * 32}
     done = subprocess.run([sys.executable, "-m", "supervisor", "dlq-redrive", "-c", str(cfg)],
                           capture_output=True, text=True, env=env, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
@@ -65,8 +65,34 @@ def test_dlq_redrive_moves_dead_letters_back(emulator: str, tmp_path: Path) -> N
 
 
 def test_dlq_redrive_refuses_the_embedded_queue(tmp_path: Path) -> None:
-    env = {**os.environ, "CLEANUP_TRIGGER_TOKEN": "t"}
+    env = {**os.environ, "CLEANUP_TRIGGER_TOKEN": "t" * 32}
     done = subprocess.run([sys.executable, "-m", "supervisor", "dlq-redrive"],
                           capture_output=True, text=True, env=env, timeout=60, check=False)
     assert done.returncode == 2
     assert "queue.backend is not 'infrai'" in done.stderr
+
+
+def test_cron_apply_sends_the_tick_token_and_shows_no_token(emulator: str,
+                                                            tmp_path: Path) -> None:
+    cfg = tmp_path / "cleanup.toml"
+    cfg.write_text(f'[schedule]\ncron = "0 2 * * 1"\nclock = "external"\n'
+                   f'[infrai]\nbase_url = "{emulator}"\n'
+                   'trigger_url = "https://cleanup.example.com/v1/runs"\n', encoding="utf-8")
+    operator, tick = "o" * 32, "k" * 32
+    env = {**os.environ, "INFRAI_API_KEY": KEY, "CLEANUP_TRIGGER_TOKEN": operator}
+    argv = [sys.executable, "-m", "supervisor", "infrai", "cron", "apply", "-c", str(cfg)]
+    refused = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60,
+                             check=False)
+    # Never the operator token at Infrai: without a tick token nothing is sent.
+    assert refused.returncode == 2
+    assert "trigger.tick_token_env: $CLEANUP_TICK_TOKEN" in refused.stderr
+    done = subprocess.run(argv, capture_output=True, text=True,
+                          env={**env, "CLEANUP_TICK_TOKEN": tick}, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["result"] == "created"
+    for secret in (operator, tick, KEY):
+        assert secret not in done.stdout + done.stderr
+    status = subprocess.run([*argv[:5], "status", "-c", str(cfg)], capture_output=True,
+                            text=True, env=env, timeout=60, check=False)
+    assert status.returncode == 0, status.stderr  # status needs no tick token
+    assert json.loads(status.stdout)["job"]["name"] == "cleanup-weekly"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -296,3 +297,17 @@ async def test_promtool_finds_nothing_to_lint_in_metrics_after_a_run(e2e: E2E) -
     async with asyncio.timeout(30):
         out, _ = await proc.communicate(text.encode())
     assert (proc.returncode, out.decode()) == (0, "")
+
+
+async def test_prometheus_scrapes_a_service_whose_metrics_need_a_token(e2e: E2E) -> None:
+    """service.metrics_token_env set: /metrics is 401 without it, and Prometheus's
+    ``authorization`` block (as packaging/compose-prometheus.yml shows) scrapes."""
+    token = secrets.token_urlsafe(24)
+    svc = e2e.service(None)
+    svc.env["CLEANUP_METRICS_TOKEN"] = token
+    prom = await start_prometheus(e2e, [svc], bearer=token)
+    await svc.start()
+    async with e2e.http.get(f"{svc.url}/metrics") as resp:
+        assert resp.status == 401
+    await eventually(lambda: prom.value(f"cleanup_ready{{{OF_JOB}}} == 1"), 20.0,
+                     "the service scraped with the metrics token")

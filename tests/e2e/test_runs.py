@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import secrets
 from datetime import UTC, datetime
 
 import pytest
@@ -94,29 +96,50 @@ async def test_repeated_tick_opens_one_run(e2e):
     status, late = await svc.trigger(schedule="nightly", scheduled_for=slot.isoformat())
     assert (status, late["created"], late["run"]["id"]) == (200, False, run_id)
     assert late["run"]["state"] == "done"
-    # ... and the next tick opens the next run.
-    status, nxt = await svc.trigger(schedule="nightly", scheduled_for="2026-01-12T02:00:00Z",
-                                    recipient_ids=["r-000001"])
+    # ... and the next tick opens the next run (which reads the same source again: a
+    # trigger names no recipients of its own unless the source is inline).
+    await sandbox.control(page_delay_ms=0)
+    status, nxt = await svc.trigger(schedule="nightly", scheduled_for="2026-01-12T02:00:00Z")
     assert status == 201, nxt
     assert nxt["run"]["id"] != run_id
     second = await svc.wait_done(nxt["run"]["id"])
-    assert second["discovered"] == 1
-    assert second["counts"]["already_absent"] == 1  # deleted by the first run
+    assert second["discovered"] == 200
+    assert second["counts"]["already_absent"] == 200  # deleted by the first run
 
     # A tick keyed by the caller's Idempotency-Key, sent twice: one run.
     key = {"Idempotency-Key": "cron-call-42"}
     status, keyed = await svc.request("POST", "/v1/runs", headers=key,
-                                      json={"schedule": "nightly", "recipient_ids": ["r-000002"]})
+                                      json={"schedule": "nightly"})
     assert (status, keyed["created"], keyed["run"]["tick_key"]) == \
         (201, True, "nightly#cron-call-42"), keyed
     status, again = await svc.request("POST", "/v1/runs", headers=key,
-                                      json={"schedule": "nightly", "recipient_ids": ["r-000002"]})
+                                      json={"schedule": "nightly"})
     assert (status, again["created"], again["run"]["id"]) == (200, False, keyed["run"]["id"])
     await svc.wait_done(keyed["run"]["id"])
 
     status, runs = await svc.request("GET", "/v1/runs")
     assert [r["id"] for r in runs["runs"]] == [keyed["run"]["id"], nxt["run"]["id"], run_id]
     stats = await sandbox.stats()
-    assert stats["pages_served"] == 2  # the first run's source was scanned exactly once
-    assert stats["executions"] == 202  # 200 by the first run, 1 by each of the others
-    assert stats["duplicates"] == 2  # r-000001 and r-000002, asked for again on purpose
+    assert stats["pages_served"] == 6  # each run's source was scanned exactly once
+    assert stats["executions"] == 600  # 200 by each run: the later ones find them absent
+    assert stats["duplicates"] == 200  # recipients asked for again (by later runs, on purpose)
+
+
+async def test_a_cron_caller_holding_only_the_tick_token_opens_runs_and_nothing_else(e2e):
+    sandbox = await e2e.sandbox("--recipients", 20, "--rate", 400)
+    svc = e2e.service(sandbox)
+    tick = secrets.token_urlsafe(24)
+    svc.env["CLEANUP_TICK_TOKEN"] = tick
+    await svc.start()
+    env = {k: v for k, v in e2e.env.items() if k != "CLEANUP_TRIGGER_TOKEN"}
+    env["CLEANUP_TICK_TOKEN"] = tick
+    code, out, err = await e2e.cli("trigger", "--url", svc.url, env=env)
+    assert code == 0, (out, err)
+    run_id = json.loads(out)["run"]["id"]
+    code, out, _ = await e2e.cli("trigger", "--url", svc.url, "victim-1", env=env)
+    assert code != 0
+    assert "recipient_ids is refused" in json.loads(out)["error"]
+    status, doc = await svc.request("GET", "/v1/runs", auth=False,
+                                    headers={"Authorization": f"Bearer {tick}"})
+    assert (status, doc) == (403, {"error": "the tick token may not read the API"})
+    await e2e.assert_complete(svc, await svc.wait_done(run_id), sandbox)

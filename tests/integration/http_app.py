@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from supervisor import config as config_module
@@ -21,7 +22,7 @@ from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
 from supervisor.runs import Broadcast, RunOpener
 
-TOKEN = "trigger-token-for-tests"
+TOKEN = "trigger-token-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -56,7 +57,9 @@ def load_config(tmp_path: Path, **env: str) -> Config:
 
 
 @asynccontextmanager
-async def running_api(cfg: Config) -> AsyncIterator[Api]:
+async def running_api(cfg: Config, routes: Callable[[web.Application], None] | None = None
+                      ) -> AsyncIterator[Api]:
+    """``routes``: more routes for the app, as a module beside http.py adds its own."""
     db = Database(cfg.ledger_path)
     await db.open()
     queue = SqliteQueue(db)
@@ -70,8 +73,10 @@ async def running_api(cfg: Config) -> AsyncIterator[Api]:
     state = ApiState(config=cfg, ledger=ledger, opener=opener, reconciler=reconciler,
                      ready=lambda: (True, {"ledger": True}), runs_changed=Broadcast(),
                      current_rate=lambda: limiter.snapshot().rate, budget=limiter)
-    client: TestClient[object, object] = TestClient(TestServer(create_app(state),
-                                                               host="127.0.0.1", port=0))
+    app = create_app(state)
+    if routes is not None:
+        routes(app)
+    client: TestClient[object, object] = TestClient(TestServer(app, host="127.0.0.1", port=0))
     await client.start_server()
     try:
         yield Api(client, state, ledger, queue, db, scan_wakeup, limiter)

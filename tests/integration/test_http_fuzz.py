@@ -18,9 +18,13 @@ from .http_app import TOKEN, Api, load_config, running_api
 
 @pytest.fixture
 async def api(tmp_path: Path) -> AsyncIterator[Api]:
-    # overlap = allow, so accepted ticks keep opening runs and the success path is fuzzed too.
+    # overlap = allow, so accepted ticks keep opening runs and the success path is fuzzed too;
+    # a failure throttle out of reach, or the wrong tokens fuzzed would leave only 429s.
     async with running_api(load_config(tmp_path, schedule__overlap="allow",
-                                       service__max_body_bytes="20000")) as running:
+                                       service__max_body_bytes="20000",
+                                       service__auth_failures_per_minute="1000000",
+                                       service__auth_failures_per_minute_total="1000000",
+                                       )) as running:
         yield running
 
 

@@ -12,14 +12,16 @@ from pathlib import Path
 import pytest
 from croniter import croniter
 
+from supervisor import config as config_module
 from supervisor.config import InfraiConfig, Secret
 from supervisor.infrai.client import InfraiClient
 from supervisor.infrai.cron import CronRefused, InfraiCron, check_expression
 from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 
-from .http_app import TOKEN, load_config, running_api
+from .http_app import TOKEN, running_api
 
 KEY = "ifr_cron_key"
+TICK = "tick-token-of-the-cron-job-0123456789"
 
 
 @pytest.fixture
@@ -101,17 +103,23 @@ async def test_no_trigger_url_is_refused(emulator: Emulator, client: InfraiClien
 
 
 async def test_infrais_ticks_open_one_run_per_slot(emulator: Emulator, tmp_path: Path) -> None:
-    """Three of Infrai's POSTs (its run, a retry, an operator's "run now"): one slot, the
-    one the weekly expression names for now, and one run."""
-    cfg = load_config(tmp_path, schedule__cron="0 2 * * 1", schedule__clock="external",
-                      source__kind="file", source__path=str(tmp_path / "none.jsonl"))
+    """Three of Infrai's POSTs (its run, a retry, an operator's "run now"), carrying the
+    tick token: one slot, the one the weekly expression names for now, and one run."""
+    cfg = config_module.load(None, environ={
+        "CLEANUP_TRIGGER_TOKEN": TOKEN, "CLEANUP_TICK_TOKEN": TICK,
+        "CLEANUP__SERVICE__DATA_DIR": str(tmp_path), "CLEANUP__SCHEDULE__CRON": "0 2 * * 1",
+        "CLEANUP__SCHEDULE__CLOCK": "external", "CLEANUP__SOURCE__KIND": "file",
+        "CLEANUP__SOURCE__PATH": str(tmp_path / "none.jsonl")})
     async with running_api(cfg) as api:
         url = str(api.client.make_url("/v1/runs"))
         client = InfraiClient(infrai(emulator, trigger_url=url))
         await client.start()
         try:
-            cron = InfraiCron(client, infrai(emulator, trigger_url=url), Secret(TOKEN))
+            cron = InfraiCron(client, infrai(emulator, trigger_url=url), cfg.trigger.tick_token)
             _, job = await cron.apply(cron.spec("weekly", "0 2 * * 1", "UTC"))
+            # What anyone reading the project's cron jobs would find: the tick token only.
+            stored = emulator.cron.model.get(str(job["cron_id"])).spec.headers
+            assert stored == {"Authorization": f"Bearer {TICK}"}
             for _ in range(3):
                 await client.call("cron.trigger", f"/v1/cron/trigger/{job['cron_id']}")
                 emulator.cron.tick()

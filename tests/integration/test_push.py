@@ -547,7 +547,7 @@ def test_the_command_subscribes(monkeypatch: pytest.MonkeyPatch,
     with stand_in_thread(stand_in) as url:
         monkeypatch.delenv("CLEANUP_CONFIG", raising=False)
         for var, value in {"INFRAI_API_KEY": KEY, "INFRAI_PUSH_SECRET": SECRET,
-                           "CLEANUP_TRIGGER_TOKEN": "a-trigger-token",
+                           "CLEANUP_TRIGGER_TOKEN": "a-trigger-token-0123456789abcdef0",
                            "CLEANUP__INFRAI__BASE_URL": url, "CLEANUP__INFRAI__QUEUE": "ops",
                            "CLEANUP__INFRAI__PUSH_URL": f"{url}/v1/push/{{queue}}",
                            "CLEANUP__INFRAI__PUSH_VISIBILITY_TIMEOUT": "45"}.items():

@@ -5,11 +5,14 @@ real browser.)"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 
@@ -22,15 +25,16 @@ from supervisor.status import STATUS
 
 from .http_app import AUTH, TOKEN, Api, running_api
 
-VIEWER = "viewer-token-for-tests"
+VIEWER = "viewer-token-for-tests-0123456789"
 HOSTILE = '<img src=x onerror="alert(1)">&amp;'
 
 
-def load(tmp_path: Path, **status: str) -> Config:
+def load(tmp_path: Path, service: dict[str, str] | None = None, **status: str) -> Config:
     environ = {"CLEANUP_TRIGGER_TOKEN": TOKEN, "CLEANUP_STATUS_TOKEN": VIEWER,
                "CLEANUP__SERVICE__DATA_DIR": str(tmp_path),
                "CLEANUP__SCHEDULE__DIGEST_CUTOFF_SECONDS": "3600"}
     environ.update({f"CLEANUP__STATUS__{k.upper()}": v for k, v in status.items()})
+    environ.update({f"CLEANUP__SERVICE__{k.upper()}": v for k, v in (service or {}).items()})
     return config_module.load(None, environ=environ)
 
 
@@ -188,7 +192,7 @@ async def test_a_configured_origin_is_the_one_accepted(tmp_path: Path) -> None:
 
 
 async def test_failed_logins_are_throttled_per_address(tmp_path: Path) -> None:
-    async with running_api(load(tmp_path, login_failures_per_minute="3")) as api:
+    async with running_api(load(tmp_path, {"auth_failures_per_minute": "3"})) as api:
         for _ in range(3):
             assert (await login(api, "wrong"))[0] == 401
         status, headers, body = await login(api, TOKEN)  # even the right one, for now
@@ -196,6 +200,92 @@ async def test_failed_logins_are_throttled_per_address(tmp_path: Path) -> None:
         assert 1 <= int(headers["Retry-After"]) <= 60
         assert "Set-Cookie" not in headers
         assert "Too many failed logins" in body
+
+
+async def test_login_and_api_failures_share_one_throttle(tmp_path: Path) -> None:
+    async with running_api(load(tmp_path, {"auth_failures_per_minute": "3"})) as api:
+        for _ in range(2):
+            async with api.client.get("/v1/runs", headers={"Authorization": "Bearer x"}) as r:
+                assert r.status == 401
+        assert (await login(api, "wrong"))[0] == 401
+        assert (await login(api, TOKEN))[0] == 429  # the third failure was the form's
+
+
+async def test_the_tick_token_logs_nobody_in(tmp_path: Path) -> None:
+    tick = "tick-token-for-tests-0123456789abcdef"
+    environ = {"CLEANUP_TRIGGER_TOKEN": TOKEN, "CLEANUP_TICK_TOKEN": tick,
+               "CLEANUP__SERVICE__DATA_DIR": str(tmp_path)}
+    async with running_api(config_module.load(None, environ=environ)) as api:
+        status, headers, body = await login(api, tick)
+        assert status == 403
+        assert "Set-Cookie" not in headers
+        assert "tick token logs nobody in" in body
+
+
+async def test_a_viewers_logins_cannot_log_an_operator_out(api: Api) -> None:
+    api.client.app[STATUS].sessions.max_sessions = 5  # the cap per role, made small
+    assert (await login(api, TOKEN))[0] == 303
+    # A script logging in again and again, with no cookie to give back each time.
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as other:
+        for _ in range(20):
+            async with other.post(api.client.make_url("/login"), data={"token": VIEWER},
+                                  headers={"Origin": origin(api)},
+                                  allow_redirects=False) as resp:
+                assert resp.status == 303
+    assert (await page(api))[0] == 200  # the operator is still logged in
+    assert len(api.client.app[STATUS].sessions) == 6
+
+
+@pytest.mark.parametrize("headers", [
+    {"Origin": "http://["}, {"Referer": "http://[::1"}, {"Origin": "http://[::1]x:80"},
+    {"Origin": "null", "Referer": "https://[/login"},
+])
+async def test_a_malformed_origin_or_referer_is_refused_not_a_500(api: Api,
+                                                                   headers: dict[str, str]
+                                                                   ) -> None:
+    status, got, body = await login(api, TOKEN, headers)
+    assert status == 403, body
+    assert "Set-Cookie" not in got
+
+
+async def test_an_origin_that_is_not_utf8_is_refused_not_a_500(tmp_path: Path) -> None:
+    async with running_api(load(tmp_path, origin="https://cleanup.example.com")) as api:
+        # Raw bytes on the wire: aiohttp hands a non-UTF-8 header over as lone surrogates.
+        reader, writer = await asyncio.open_connection(api.client.host, api.client.port)
+        try:
+            writer.write(b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Origin: https://cleanup.example.com\xff\r\n"
+                         b"Content-Type: application/x-www-form-urlencoded\r\n"
+                         b"Content-Length: 7\r\nConnection: close\r\n\r\ntoken=x")
+            await writer.drain()
+            status_line = await reader.readline()
+        finally:
+            writer.close()
+        assert status_line.split()[1] == b"403", status_line
+
+
+async def test_a_static_path_with_a_newline_is_404_and_forges_no_log_line(
+        api: Api, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with api.client.get("/static/x%0AINFO%20operator%20logged%20in") as resp:
+        assert resp.status == 404
+        assert resp.reason == "Not Found"
+        assert "\n" not in (await resp.text())
+    assert not any("\n" in r.getMessage() for r in caplog.records)
+    assert not any(r.levelno >= logging.ERROR for r in caplog.records)
+
+
+async def test_a_refusal_logs_the_path_escaped(api: Api, caplog: pytest.LogCaptureFixture
+                                               ) -> None:
+    await login(api, VIEWER)
+    caplog.set_level(logging.WARNING, logger="supervisor.status.page")
+    csrf = csrf_of((await page(api))[1])
+    status, _, _ = await post(api, "/status/operations/x%0AFORGED/resolve",
+                              {"csrf": csrf, "outcome": "deleted", "by": "V", "reason": "r"})
+    assert status == 403
+    [line] = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert "\n" not in line
+    assert "x\\nFORGED" in line
 
 
 async def test_a_session_cookie_grants_nothing_on_the_api(api: Api) -> None:

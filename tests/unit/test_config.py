@@ -11,7 +11,7 @@ from supervisor import config
 from supervisor.config import Config, Secret
 from supervisor.errors import EXIT_USAGE, ConfigError
 
-TOKEN_ENV = {"CLEANUP_TRIGGER_TOKEN": "trigger-secret"}
+TOKEN_ENV = {"CLEANUP_TRIGGER_TOKEN": "trigger-secret-0123456789abcdef0123"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,13 +33,19 @@ def problems_of(path: Path | None, environ: dict[str, str]) -> list[str]:
 
 def test_defaults_load_without_a_file() -> None:
     cfg = config.load(None, environ=TOKEN_ENV)
-    assert cfg == dataclasses.replace(Config(), trigger=cfg.trigger)
+    # On loopback the safe defaults decided at load: a Host allow-list, no HSTS, a cookie
+    # that travels over plain http.
+    service = dataclasses.replace(Config().service, allowed_hosts=("localhost",),
+                                  hsts_seconds=0)
+    status = dataclasses.replace(Config().status, secure_cookie=False)
+    assert cfg == dataclasses.replace(Config(), trigger=cfg.trigger, service=service,
+                                      status=status)
     assert cfg.limits.rate_per_second == 20.0
     assert cfg.limits.burst == 1.25
     assert cfg.service.host == "127.0.0.1"
     assert cfg.service.port == 8080
     assert cfg.ledger_path == Path("./var") / "cleanup.sqlite3"
-    assert cfg.trigger.token == Secret("trigger-secret")
+    assert cfg.trigger.token == Secret("trigger-secret-0123456789abcdef0123")
     assert cfg.partner.token is None  # optional: some partners need none
 
 
@@ -265,18 +271,18 @@ def test_secret_from_env_named_by_token_env(tmp_path: Path) -> None:
 
 def test_secret_from_file(tmp_path: Path) -> None:
     secret_file = tmp_path / "token"
-    secret_file.write_text("from-file\n", encoding="utf-8")
+    secret_file.write_text("from-file-0123456789abcdef0123456789\n", encoding="utf-8")
     cfg = config.load(None, environ={"CLEANUP_TRIGGER_TOKEN_FILE": str(secret_file)})
     assert cfg.trigger.token is not None
-    assert cfg.trigger.token.reveal() == "from-file"
+    assert cfg.trigger.token.reveal() == "from-file-0123456789abcdef0123456789"
 
 
 def test_env_wins_over_file_for_a_secret(tmp_path: Path) -> None:
     secret_file = tmp_path / "token"
-    secret_file.write_text("from-file", encoding="utf-8")
-    cfg = config.load(None, environ={"CLEANUP_TRIGGER_TOKEN": "from-env",
+    secret_file.write_text("from-file-0123456789abcdef0123456789", encoding="utf-8")
+    cfg = config.load(None, environ={"CLEANUP_TRIGGER_TOKEN": "from-env-0123456789abcdef0123456789",
                                      "CLEANUP_TRIGGER_TOKEN_FILE": str(secret_file)})
-    assert cfg.trigger.token == Secret("from-env")
+    assert cfg.trigger.token == Secret("from-env-0123456789abcdef0123456789")
 
 
 def test_unreadable_or_empty_secret_file_is_a_problem(tmp_path: Path) -> None:
@@ -310,32 +316,32 @@ def test_missing_trigger_token_is_a_problem() -> None:
 def test_trigger_token_env_can_be_renamed(tmp_path: Path) -> None:
     path = write(tmp_path, '[trigger]\ntoken_env = "CRON_TOKEN"\n')
     assert problems_of(path, TOKEN_ENV)[0].startswith("trigger.token_env: $CRON_TOKEN")
-    cfg = config.load(path, environ={"CRON_TOKEN": "c"})
-    assert cfg.trigger.token == Secret("c")
+    cfg = config.load(path, environ={"CRON_TOKEN": "c" * 32})
+    assert cfg.trigger.token == Secret("c" * 32)
 
 
 def test_secret_never_shows_its_value() -> None:
-    secret = Secret("hunter2")
-    assert "hunter2" not in repr(secret)
-    assert "hunter2" not in str(secret)
-    assert "hunter2" not in f"{secret}"
-    assert secret.reveal() == "hunter2"
-    assert secret == Secret("hunter2")
+    secret = Secret("hunter2-hunter2-hunter2-hunter2-h")
+    assert "hunter2-hunter2-hunter2-hunter2-h" not in repr(secret)
+    assert "hunter2-hunter2-hunter2-hunter2-h" not in str(secret)
+    assert "hunter2-hunter2-hunter2-hunter2-h" not in f"{secret}"
+    assert secret.reveal() == "hunter2-hunter2-hunter2-hunter2-h"
+    assert secret == Secret("hunter2-hunter2-hunter2-hunter2-h")
     assert secret != Secret("other")
-    assert secret != "hunter2"
-    cfg = config.load(None, environ={"CLEANUP_TRIGGER_TOKEN": "hunter2",
+    assert secret != "hunter2-hunter2-hunter2-hunter2-h"
+    cfg = config.load(None, environ={"CLEANUP_TRIGGER_TOKEN": "hunter2-hunter2-hunter2-hunter2-h",
                                      "CUSTOMER_API_TOKEN": "hunter3"})
-    assert "hunter2" not in repr(cfg)
+    assert "hunter2-hunter2-hunter2-hunter2-h" not in repr(cfg)
     assert "hunter3" not in repr(cfg)
 
 
 def test_problems_never_contain_a_secret(tmp_path: Path) -> None:
     path = write(tmp_path, '[limits]\nrate_per_second = -1\n')
-    problems = problems_of(path, {"CLEANUP_TRIGGER_TOKEN": "hunter2"})
-    assert not any("hunter2" in p for p in problems)
+    problems = problems_of(path, {"CLEANUP_TRIGGER_TOKEN": "hunter2-hunter2-hunter2-hunter2-h"})
+    assert not any("hunter2-hunter2-hunter2-hunter2-h" in p for p in problems)
     with pytest.raises(ConfigError) as info:
-        config.load(path, environ={"CLEANUP_TRIGGER_TOKEN": "hunter2"})
-    assert "hunter2" not in str(info.value)
+        config.load(path, environ={"CLEANUP_TRIGGER_TOKEN": "hunter2-hunter2-hunter2-hunter2-h"})
+    assert "hunter2-hunter2-hunter2-hunter2-h" not in str(info.value)
 
 
 def test_a_check_naming_a_mistyped_key_is_not_reported_against_its_default(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from supervisor.service import max_stop_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGING = ROOT / "packaging"
-TOKENS = {"CLEANUP_TRIGGER_TOKEN": "t" * 24, "CUSTOMER_API_TOKEN": "c" * 24}
+TOKENS = {"CLEANUP_TRIGGER_TOKEN": "t" * 32, "CUSTOMER_API_TOKEN": "c" * 24}
 
 
 def _seconds(value: str) -> float:
@@ -112,6 +112,9 @@ def test_image_holds_the_config_serve_and_demo_read() -> None:
     assert serve_source is not None, f"{serve_config.group(1)} is not in the image"
     cfg = config.load(serve_source, environ=TOKENS)  # valid once the two secrets are given
     assert cfg.service.listen.startswith("0.0.0.0:")
+    # Off loopback the safe defaults hold in the image too: a Secure cookie, and HSTS.
+    assert cfg.status.secure_cookie is True
+    assert cfg.service.hsts_seconds == 365 * 86400
     # demo's default config path is relative: it resolves in the image's working directory.
     workdir = Path([args for word, args in stage if word == "WORKDIR"][-1])
     demo_default = parser().parse_args(["demo"]).config

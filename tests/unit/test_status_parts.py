@@ -1,5 +1,6 @@
-"""The status page's parts on their own: sessions and their expiry, the login throttle,
-tokens to roles, the chart's history, and the run summary against the digest cutoff."""
+"""The status page's parts on their own: sessions, their expiry and per-role caps, the
+chart's history, and the run summary against the digest cutoff. (Tokens to roles and the
+failure throttle: tests/unit/test_apiauth.py.)"""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import asyncio
 import pytest
 
 from supervisor import metrics
-from supervisor.configtypes import Secret
 from supervisor.ledger.base import Run
 from supervisor.states import OpState, RunState
-from supervisor.status.auth import LoginThrottle, Sessions, role_for
+from supervisor.status.auth import Sessions
 from supervisor.status.history import History, Reading, counter_total, metrics_reader
 from supervisor.status.views import duration_text, summarize
 
@@ -51,32 +51,31 @@ def test_sessions_are_bounded_the_oldest_going_first() -> None:
     assert len(sessions) == 3
 
 
-def test_failed_logins_wait_until_the_oldest_leaves_the_minute() -> None:
+def test_a_viewers_logins_never_evict_an_operators_session() -> None:
+    sessions = Sessions(60.0, Clock(), max_sessions=3)
+    operator = sessions.create("operator")
+    viewers = [sessions.create("viewer") for _ in range(1000)]
+    assert sessions.get(operator.id) is operator
+    assert [s for s in viewers if sessions.get(s.id) is not None] == viewers[-3:]
+    assert len(sessions) == 4
+    operators = [sessions.create("operator") for _ in range(3)]
+    assert sessions.get(operator.id) is None  # an operator's own cap: the oldest went
+    assert all(sessions.get(s.id) is s for s in operators + viewers[-3:])
+
+
+def test_a_dropped_or_expired_session_frees_its_roles_place() -> None:
     clock = Clock()
-    throttle = LoginThrottle(2, clock)
-    assert throttle.retry_after("a") == 0
-    throttle.failed("a")
-    clock.t += 10
-    throttle.failed("a")
-    assert throttle.retry_after("a") == pytest.approx(50)
-    assert throttle.retry_after("b") == 0  # per address
-    clock.t += 50
-    assert throttle.retry_after("a") == 0
-
-
-@pytest.mark.parametrize(("supplied", "role"), [
-    ("op-token", "operator"), (" op-token\n", "operator"), ("view-token", "viewer"),
-    ("op-token ", "operator"), ("", None), ("op-toke", None), ("\x00", None),
-    ("x" * 10_000, None),
-])
-def test_a_token_grants_its_role(supplied: str, role: str | None) -> None:
-    assert role_for(supplied, Secret("op-token"), Secret("view-token")) == role
-
-
-def test_no_token_configured_grants_nothing() -> None:
-    assert role_for("", None, None) is None
-    assert role_for("\x00", None, None) is None
-    assert role_for("view-token", Secret("op-token"), None) is None
+    sessions = Sessions(60.0, clock, max_sessions=2)
+    a, b = sessions.create("operator"), sessions.create("operator")
+    sessions.drop(a.id)
+    c = sessions.create("operator")
+    assert sessions.get(b.id) is b
+    assert sessions.get(c.id) is c
+    clock.t += 60
+    assert sessions.get(b.id) is None
+    d, e = sessions.create("operator"), sessions.create("operator")
+    assert sessions.get(d.id) is d
+    assert sessions.get(e.id) is e
 
 
 # -- the chart's history -------------------------------------------------------------------

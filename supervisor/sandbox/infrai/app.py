@@ -597,7 +597,7 @@ async def envelope_errors(request: web.Request, handler: Handler) -> web.StreamR
     except asyncio.CancelledError:
         raise
     except Exception:
-        log.exception("infrai emulator handler failed: %s %s", request.method, request.path)
+        log.exception("infrai emulator handler failed: %s %r", request.method, request.path)
         return envelope_response(rt, started, 500, error=ApiError(500, "INTERNAL", "emulator bug"))
 
 

@@ -18,7 +18,7 @@ import pytest
 from supervisor import cli
 from supervisor.budget.base import Feedback, Outcome, Policy
 
-from .http_app import AUTH, Api, running_api
+from .http_app import AUTH, TOKEN, Api, running_api
 from .test_status_http import VIEWER, csrf_of, load, login, origin, page, post
 
 LONG = 1.8e12  # a reset in epoch milliseconds once read as seconds
@@ -64,14 +64,15 @@ async def test_the_budget_shows_the_pause_bounded_and_why(api: Api) -> None:
     assert doc["operator_actions"] == []
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
-                                     {"Authorization": f"Bearer {VIEWER}"}])
+@pytest.mark.parametrize(("headers", "refusal"), [
+    ({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+    ({"Authorization": f"Bearer {VIEWER}"}, 403)])  # known, but not allowed to
 async def test_a_resume_without_the_operator_token_is_refused_and_changes_nothing(
-        api: Api, headers: dict[str, str]) -> None:
+        api: Api, headers: dict[str, str], refusal: int) -> None:
     paused(api)
     status, doc = await call(api, "POST", "/v1/budget/resume",
                              {"by": "mallory", "reason": "go"}, headers=headers)
-    assert status == 401, doc
+    assert status == refusal, doc
     assert api.budget.snapshot().paused_until > time.time()
     assert await audit_rows(api) == 0
 
@@ -148,7 +149,7 @@ async def test_a_resume_lifts_a_spent_announced_quota_too(api: Api) -> None:
 
 async def test_an_operator_lifts_the_pause_from_the_status_page(api: Api) -> None:
     paused(api)
-    assert (await login(api, "trigger-token-for-tests"))[0] == 303
+    assert (await login(api, TOKEN))[0] == 303
     status, html = await page(api)
     assert status == 200
     assert 'id="budget"' in html
@@ -167,7 +168,7 @@ async def test_an_operator_lifts_the_pause_from_the_status_page(api: Api) -> Non
 @pytest.mark.parametrize("forgery", ["no csrf", "wrong csrf", "other origin"])
 async def test_a_forged_resume_form_is_refused(api: Api, forgery: str) -> None:
     paused(api)
-    await login(api, "trigger-token-for-tests")
+    await login(api, TOKEN)
     _, html = await page(api)
     form = {"csrf": csrf_of(html), "by": "ana", "reason": "x"}
     headers = {"Origin": origin(api)}
@@ -207,7 +208,7 @@ async def test_budget_show_and_resume_from_the_command_line(
         api: Api, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     paused(api)
     url = origin(api)
-    monkeypatch.setenv("CLEANUP_TRIGGER_TOKEN", "trigger-token-for-tests")
+    monkeypatch.setenv("CLEANUP_TRIGGER_TOKEN", TOKEN)
 
     def run(*argv: str) -> tuple[int, Any]:
         code = cli.main(list(argv))

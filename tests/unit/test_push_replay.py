@@ -21,7 +21,7 @@ SECRET = "push-secret-for-tests"
 BODY = (b'{"message_id": "m-1", "payload": {"run_id": "run_1", "operation_id": "op_1",'
         b' "recipient_id": "r-1"}}')
 NOW = 1_750_000_000.0
-ENV = {"CLEANUP_TRIGGER_TOKEN": "trigger-secret", "INFRAI_API_KEY": "ifr_key",
+ENV = {"CLEANUP_TRIGGER_TOKEN": "trigger-secret-of-at-least-32-bytes!", "INFRAI_API_KEY": "ifr_key",
        "INFRAI_PUSH_SECRET": SECRET}
 
 

@@ -28,6 +28,7 @@ from supervisor.errors import ConfigError
 from supervisor.events.settings import EventsConfig, resolve_sinks
 from supervisor.infrai.settings import InfraiConfig, resolve_push_secret
 from supervisor.ledger.settings import LedgerConfig
+from supervisor.tickrules import SCHEDULE_RULE, check_schedule
 
 ENV_PREFIX = "CLEANUP__"
 
@@ -110,8 +111,8 @@ class ScheduleConfig:
                        "the slot of each incoming tick")
         if self.digest_cutoff_seconds is not None and self.digest_cutoff_seconds <= 0:
             out.append(f"schedule.digest_cutoff_seconds must be > 0, got {self.digest_cutoff_seconds}")
-        if not self.name or len(self.name) > 100:
-            out.append("schedule.name must be 1 to 100 characters")
+        if check_schedule(self.name) is not None:
+            out.append(f"schedule.name must be {SCHEDULE_RULE}, got {self.name!r}")
         return out
 
 

@@ -12,7 +12,6 @@ the builder's own list, one the partner never had or failed to delete is still s
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -37,7 +36,6 @@ REASONS: dict[OpState, str] = {
     OpState.FAILED: "deletion_failed",
 }
 JSONL = "application/x-ndjson"
-SCHEDULE = re.compile(r"[!-~]{1,100}")
 RUNS_PAGE = 50
 STREAM_PAGE = 1000
 

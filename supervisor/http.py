@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -28,6 +28,7 @@ from supervisor.runs import Broadcast, RunOpener, Tick
 from supervisor.sources import check_recipient_id
 from supervisor.states import SETTLED, OpState, RunState
 from supervisor.status import add_status_routes
+from supervisor.tickrules import check_schedule, parse_slot
 
 log = logging.getLogger(__name__)
 
@@ -154,25 +155,10 @@ def op_view(op: Operation) -> dict[str, Any]:
 
 
 def _parse_slot(value: Any) -> datetime:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        try:
-            return datetime.fromtimestamp(value, UTC)
-        except (OverflowError, OSError, ValueError):
-            raise ApiError(400, "scheduled_for is out of range") from None
-    if isinstance(value, str):
-        try:
-            slot = datetime.fromisoformat(value)
-        except ValueError:
-            raise ApiError(400, "scheduled_for must be an ISO 8601 time or a Unix time") from None
-        if slot.tzinfo is None:
-            raise ApiError(400, "scheduled_for must carry a UTC offset")
-        try:
-            # The tick key and the ledger use the UTC instant: it must exist (year 1..9999).
-            slot.astimezone(UTC).timestamp()
-        except (OverflowError, OSError, ValueError):
-            raise ApiError(400, "scheduled_for is out of range") from None
-        return slot
-    raise ApiError(400, "scheduled_for must be an ISO 8601 time or a Unix time")
+    try:
+        return parse_slot(value)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -198,9 +184,8 @@ async def _tick_from(request: web.Request) -> Tick:
     if unknown:
         raise ApiError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
     schedule = doc.get("schedule", config.schedule.name)
-    if not isinstance(schedule, str) or not 0 < len(schedule) <= 100 or \
-            check_recipient_id(schedule) is not None:
-        raise ApiError(400, "schedule must be a string of 1 to 100 printable characters")
+    if (problem := check_schedule(schedule)) is not None:
+        raise ApiError(400, problem)
     slot = _parse_slot(doc["scheduled_for"]) if "scheduled_for" in doc else None
     ids = doc.get("recipient_ids")
     if ids is not None:
@@ -404,8 +389,8 @@ async def get_exclusions(request: web.Request) -> web.StreamResponse:
     _authorize(request, read_only=True)
     api = request.app[API]
     schedule = request.query.get("schedule", api.config.schedule.name)
-    if not exclusions.SCHEDULE.fullmatch(schedule):
-        raise ApiError(400, "schedule must be 1 to 100 visible ASCII characters")
+    if (problem := check_schedule(schedule)) is not None:
+        raise ApiError(400, problem)
     fmt = request.query.get("format")
     if fmt not in (None, "json", "jsonl"):
         raise ApiError(400, "format must be 'json' or 'jsonl'")

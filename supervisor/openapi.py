@@ -11,14 +11,14 @@ from typing import Any
 from supervisor import __version__
 from supervisor.exclusions import REASONS
 from supervisor.states import OpState, RunState
+from supervisor.tickrules import SCHEDULE_NAME
+from supervisor.tickrules import TICK_KEY as TICK_KEY  # the webhook's header rule, named here too
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 # What supervisor.sources.check_recipient_id accepts: no control characters, and not
 # only whitespace. (Lone surrogates cannot arrive: the JSON parser refuses them.)
 _CHARS = r"[^\x00-\x1f\x7f-\x9f]"
 PRINTABLE = rf"^{_CHARS}*[^\s\x00-\x1f\x7f-\x9f]{_CHARS}*$"
-# Idempotency-Key of a tick: visible ASCII only, as HTTP header values travel safely.
-TICK_KEY = r"^[!-~]{1,200}$"
 
 
 def _errors(*codes: int) -> dict[str, Any]:
@@ -108,7 +108,7 @@ DOCUMENT: dict[str, Any] = {
                            "with the reason the digest must exclude it",
                 "parameters": [
                     {"name": "schedule", "in": "query",
-                     "schema": {"type": "string", "pattern": "^[!-~]{1,100}$"}},
+                     "schema": {"type": "string", "pattern": SCHEDULE_NAME}},
                     {"name": "format", "in": "query", "description": "jsonl: stream them all",
                      "schema": {"type": "string", "enum": ["json", "jsonl"]}},
                     *_PAGE_PARAMS],
@@ -204,7 +204,7 @@ DOCUMENT: dict[str, Any] = {
                 "type": "object", "additionalProperties": False,
                 "properties": {
                     "schedule": {"type": "string", "minLength": 1, "maxLength": 100,
-                                 "pattern": PRINTABLE},
+                                 "pattern": SCHEDULE_NAME},
                     "scheduled_for": {"oneOf": [{"type": "string", "format": "date-time"},
                                                 {"type": "number", "minimum": 0,
                                                  "maximum": 253402300799}]},

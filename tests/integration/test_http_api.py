@@ -165,6 +165,10 @@ async def test_json_content_type_with_charset_is_fine(api: Api) -> None:
     (b'{"schedule": "", "recipient_ids": ["a"]}', "schedule must be a string"),
     (b'{"schedule": 7, "recipient_ids": ["a"]}', "schedule must be a string"),
     (b'{"schedule": "a\\tb", "recipient_ids": ["a"]}', "schedule must be a string"),
+    # One rule for schedule names (L10): what exclusions cannot name is not accepted.
+    (b'{"schedule": "weekly ", "recipient_ids": ["a"]}', "schedule must be a string"),
+    (b'{"schedule": "w\\u00f6chentlich", "recipient_ids": ["a"]}', "schedule must be a string"),
+    (b'{"schedule": "a@b", "recipient_ids": ["a"]}', "schedule must be a string"),
     (b'{"scheduled_for": "yesterday", "recipient_ids": ["a"]}', "ISO 8601"),
     (b'{"scheduled_for": "2024-01-01T02:00:00", "recipient_ids": ["a"]}', "UTC offset"),
     (b'{"scheduled_for": true, "recipient_ids": ["a"]}', "ISO 8601"),

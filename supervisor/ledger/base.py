@@ -15,6 +15,9 @@ from supervisor.states import OpState, RunState
 
 @dataclass(frozen=True, slots=True)
 class Run:
+    """A run. ``source`` is the whole source (an inline run's IDs included) only as
+    get_run and runs_to_scan read it; list reads give ``{"kind": ...}``."""
+
     id: str
     tick_key: str
     schedule: str
@@ -141,7 +144,17 @@ class Ledger(Protocol):
 
     async def get_run(self, run_id: str) -> Run | None: ...
 
-    async def list_runs(self, limit: int, before: str | None = None) -> list[Run]: ...
+    async def list_runs(self, limit: int, before: str | None = None) -> list[Run]:
+        """Runs newest first, before the run ``before``. Like every list read here
+        (get_runs, schedule_runs, stats) a run's ``source`` holds only its ``kind``: an
+        inline run's IDs are for the scan (get_run, runs_to_scan), not for listings."""
+
+    async def get_runs(self, run_ids: Sequence[str]) -> dict[str, Run]:
+        """Several runs in one read (those that exist), by ID; ``source`` as list_runs."""
+
+    async def schedule_runs(self, schedule: str) -> list[Run]:
+        """The schedule's newest run and every older one still unfinished, oldest first,
+        through an index: what exclusions read, however many runs the schedule has had."""
 
     async def run_counts(self, run_id: str) -> dict[OpState, int]: ...
 

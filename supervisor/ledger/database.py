@@ -115,14 +115,16 @@ class Database:
     @staticmethod
     async def _migrate(conn: aiosqlite.Connection) -> None:
         """Add the columns a ledger file written by an earlier release lacks."""
-        added = False
+        added: set[str] = set()
         for table, column, decl in sql.ADDED_COLUMNS:
             rows = await conn.execute_fetchall(f"PRAGMA table_info({table})")
             if column not in {r[1] for r in rows}:
                 await conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
-                added = True
-        if added:
+                added.add(table)
+        if "operations" in added:
             await conn.execute(sql.BACKFILL_DUE)
+        if "runs" in added:
+            await conn.execute(sql.BACKFILL_SOURCE_KIND)
         await conn.execute(sql.ACTIVE_INDEX)
 
     async def _connect(self) -> None:

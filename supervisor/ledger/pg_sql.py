@@ -109,6 +109,15 @@ MIGRATIONS = (
     # The session holding a replica's role locks: the reaper ends it with the replica, so
     # a holder whose host died (no FIN, no RST) gives its roles up within seconds.
     Migration("ledger", 2, ("ALTER TABLE replicas ADD COLUMN IF NOT EXISTS roles_pid INTEGER",)),
+    # List reads show a run's source kind without its JSON (an inline run's IDs), and
+    # exclusions read a schedule's newest and unfinished runs through an index.
+    Migration("ledger", 3, (
+        "ALTER TABLE runs ADD COLUMN IF NOT EXISTS source_kind TEXT",
+        "UPDATE runs SET source_kind = source::json->>'kind' WHERE source_kind IS NULL",
+        "CREATE INDEX IF NOT EXISTS runs_schedule ON runs(schedule, created_at, id)",
+        "CREATE INDEX IF NOT EXISTS runs_schedule_unfinished ON runs(schedule, created_at, id) "
+        "WHERE state != 'done'",
+    )),
 )
 
 DB_NOW = "extract(epoch from clock_timestamp())::double precision"
@@ -118,12 +127,14 @@ RUN_COLUMNS = (
     "discovered, skipped_candidates, scan_failures, last_error, created_at, "
     "scan_finished_at, finished_at"
 )
+# List reads: the source's kind, not its JSON (see supervisor/ledger/sql.py).
+LIST_RUN_COLUMNS = RUN_COLUMNS.replace("state, source,", "state, source_kind,")
 OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at, due_at"
 
 # runs
 INSERT_RUN = (
-    "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, created_at) "
-    "VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (tick_key) DO NOTHING"
+    "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, source_kind, "
+    "created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (tick_key) DO NOTHING"
 )
 SELECT_RUN_BY_TICK = f"SELECT {RUN_COLUMNS} FROM runs WHERE tick_key = $1"
 SELECT_RECENT_RUN_OF_SCHEDULE = (
@@ -132,17 +143,23 @@ SELECT_RECENT_RUN_OF_SCHEDULE = (
 )
 SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"
 SELECT_UNFINISHED_RUN = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
 )
-SELECT_RUNS = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC, id DESC LIMIT $1"
+SELECT_RUNS = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC, id DESC LIMIT $1"
 SELECT_RUNS_BEFORE = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE (created_at, id) < "
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE (created_at, id) < "
     "(SELECT created_at, id FROM runs WHERE id = $1) ORDER BY created_at DESC, id DESC LIMIT $2"
+)
+SELECT_RUNS_BY_ID = f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE id = ANY($1::text[])"
+SELECT_SCHEDULE_RUNS = (
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = $1 AND state != 'done' "
+    f"UNION SELECT * FROM (SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = $1 "
+    "ORDER BY created_at DESC, id DESC LIMIT 1) newest ORDER BY created_at, id"
 )
 SELECT_RUNS_TO_SCAN = (
     f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
 )
-SELECT_CURRENT_RUN = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
+SELECT_CURRENT_RUN = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
 # Only from the cursor the scan resumed from: a second scanner (a holder that lost its
 # role without knowing) cannot write a page over the one that took over.
 UPDATE_RUN_PAGE = (

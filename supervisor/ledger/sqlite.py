@@ -68,10 +68,12 @@ def new_run_id(now: float) -> str:
     return "run_" + time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + "_" + secrets.token_hex(3)
 
 
-def _run(row: sqlite3.Row | tuple[Any, ...]) -> Run:
+def _run(row: sqlite3.Row | tuple[Any, ...], listed: bool = False) -> Run:
+    """A run from RUN_COLUMNS, or (``listed``) from LIST_RUN_COLUMNS: its source's kind."""
     return Run(
         id=row[0], tick_key=row[1], schedule=row[2], scheduled_for=row[3],
-        state=RunState(row[4]), source=orjson.loads(row[5]), scan_cursor=row[6],
+        state=RunState(row[4]), source={"kind": row[5]} if listed else orjson.loads(row[5]),
+        scan_cursor=row[6],
         scan_pages=row[7], discovered=row[8], skipped_candidates=row[9],
         scan_failures=row[10], last_error=row[11], created_at=row[12],
         scan_finished_at=row[13], finished_at=row[14],
@@ -115,12 +117,13 @@ class SqliteLedger(outbox.OutboxMixin):
             if skip_if_unfinished:
                 busy = await _fetchone(conn, sql.SELECT_UNFINISHED_RUN, ())
                 if busy is not None:
-                    return OpenRunResult(None, created=False, skipped_for=_run(busy))
+                    return OpenRunResult(None, created=False,
+                                         skipped_for=_run(busy, listed=True))
             now = time.time()
             run_id = new_run_id(now)
             await conn.execute(sql.INSERT_RUN, (run_id, tick_key, schedule, scheduled_for,
                                                 RunState.SCANNING.value, orjson.dumps(source),
-                                                now))
+                                                source.get("kind"), now))
             row = await _fetchone(conn, sql.SELECT_RUN, (run_id,))
             assert row is not None
             return OpenRunResult(_run(row), created=True)
@@ -136,7 +139,15 @@ class SqliteLedger(outbox.OutboxMixin):
             rows = await self.db.read(sql.SELECT_RUNS, (limit,))
         else:
             rows = await self.db.read(sql.SELECT_RUNS_BEFORE, (before, limit))
-        return [_run(r) for r in rows]
+        return [_run(r, listed=True) for r in rows]
+
+    async def get_runs(self, run_ids: Sequence[str]) -> dict[str, Run]:
+        rows = await self.db.read(sql.SELECT_RUNS_BY_ID, (orjson.dumps(list(run_ids)).decode(),))
+        return {r[0]: _run(r, listed=True) for r in rows}
+
+    async def schedule_runs(self, schedule: str) -> list[Run]:
+        rows = await self.db.read(sql.SELECT_SCHEDULE_RUNS, {"schedule": schedule})
+        return [_run(r, listed=True) for r in rows]
 
     async def run_counts(self, run_id: str) -> dict[OpState, int]:
         rows = await self.db.read(sql.COUNT_RUN_STATES, (run_id,))
@@ -468,7 +479,7 @@ class SqliteLedger(outbox.OutboxMixin):
     async def stats(self) -> LedgerStats:
         ambiguous = await self.db.read_one(sql.COUNT_AMBIGUOUS)
         row = await self.db.read_one(sql.SELECT_CURRENT_RUN)
-        current = _run(row) if row else None
+        current = _run(row, listed=True) if row else None
         current_counts = await self.run_counts(current.id) if current else {}
         return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0, current_run=current,
                            current_run_by_state=current_counts)

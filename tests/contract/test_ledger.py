@@ -15,6 +15,7 @@ tests/integration; PostgreSQL's replicas are in tests/integration/test_pg_queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -278,6 +279,53 @@ class TestLedgerContract:
         assert (got.id, got.tick_key, got.state) == (ids[1], "weekly@1", RunState.SCANNING)
         assert await ledger.get_run("run_nope") is None
         assert [r.id for r in await ledger.runs_to_scan()] == ids  # oldest first
+
+    async def test_list_reads_carry_the_source_kind_not_its_ids(self, backend: Backend) -> None:
+        """An inline run's source holds up to 10,000 IDs: only the scan reads them."""
+        ledger = backend.ledger
+        source = {"kind": "inline", "ids": [f"r-{i}" for i in range(1000)]}
+        opened = await ledger.open_run("weekly@1", "weekly", None, source, False)
+        assert opened.run is not None
+        assert opened.run.source == source
+        run_id = opened.run.id
+        full = await ledger.get_run(run_id)
+        assert full is not None
+        assert full.source == source
+        [scan] = await ledger.runs_to_scan()
+        assert scan.source == source
+        [listed] = await ledger.list_runs(10)
+        assert listed.source == {"kind": "inline"}
+        assert listed == dataclasses.replace(full, source={"kind": "inline"})
+        assert await ledger.get_runs([run_id, "run_nope"]) == {run_id: listed}
+        assert await ledger.get_runs([]) == {}
+        assert await ledger.schedule_runs("weekly") == [listed]
+        stats = await ledger.stats()
+        assert stats.current_run == listed
+        skipped = await ledger.open_run("weekly@2", "weekly", None, source, True)
+        assert skipped.skipped_for == listed
+
+    async def test_schedule_runs_are_its_newest_and_its_unfinished(self, backend: Backend) -> None:
+        ledger = backend.ledger
+        assert await ledger.schedule_runs("weekly") == []
+
+        async def finished(tick: str, schedule: str = "weekly") -> str:
+            run = await open_run(ledger, tick, schedule=schedule)
+            await ledger.record_page(run.id, [], None, 0)
+            assert await ledger.finish_runs() == [run.id]
+            return run.id
+
+        old = [await finished(f"weekly@{i}") for i in range(3)]
+        # Only the newest of the finished ones: the digest's current run.
+        assert [r.id for r in await ledger.schedule_runs("weekly")] == [old[-1]]
+        draining = await open_run(ledger, "weekly@d")
+        await ledger.record_page(draining.id, ["a"], None, 0)
+        newest = await open_run(ledger, "weekly@n")
+        other = await finished("daily@1", schedule="daily")
+        # Unfinished ones of the schedule, oldest first, then the newest; a finished one
+        # that is not the newest and another schedule's run are not among them.
+        assert [r.id for r in await ledger.schedule_runs("weekly")] == [draining.id, newest.id]
+        assert [r.id for r in await ledger.schedule_runs("daily")] == [other]
+        assert await ledger.schedule_runs("hourly") == []
 
     # -- discovery -------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ import hmac
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -23,8 +23,9 @@ from supervisor.errors import IllegalTransition
 from supervisor.ledger.base import Ledger, LedgerStats, Operation, Run
 from supervisor.openapi import DOCUMENT, PRINTABLE, TICK_KEY
 from supervisor.push import PushReceiver, PushRejected, answer_body, parse_delivery, verify
+from supervisor.readcaps import RETRY_AFTER_S, CapReached, ReadCap, holder_of
 from supervisor.reconcile import RESOLUTIONS, Reconciler
-from supervisor.runs import Broadcast, RunOpener, Tick
+from supervisor.runs import RunOpener, RunWatch, Tick
 from supervisor.sources import check_recipient_id
 from supervisor.states import SETTLED, OpState, RunState
 from supervisor.status import add_status_routes
@@ -48,7 +49,7 @@ class ApiState:
     opener: RunOpener
     reconciler: Reconciler
     ready: Callable[[], tuple[bool, dict[str, bool]]]
-    runs_changed: Broadcast
+    runs_changed: RunWatch
     current_rate: Callable[[], float]
     # When n more requests will have been sent (the budget's view: rate, a pause in force,
     # quotas); None: n / current_rate.
@@ -59,6 +60,14 @@ class ApiState:
     accepting: bool = True
     # Push delivery (POST /v1/push/{queue}); None: not configured, the route answers 404.
     push: PushReceiver | None = None
+    long_polls: ReadCap = field(init=False)
+    exclusion_reads: ReadCap = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.config.service
+        self.long_polls = ReadCap("long_poll", s.max_long_polls, s.max_long_polls_per_token)
+        self.exclusion_reads = ReadCap("exclusions", s.max_exclusion_reads,
+                                       s.max_exclusion_reads_per_token)
 
 
 API = web.AppKey("api", ApiState)
@@ -123,7 +132,7 @@ def _authorize(request: web.Request, read_only: bool = False) -> None:
         raise ApiError(401, "missing or wrong bearer token")
 
 
-def run_view(run: Run, counts: dict[OpState, int] | None = None,
+def run_view(run: Run, counts: Mapping[OpState, int] | None = None,
              rate: float | None = None,
              projected_finish: Callable[[int, float], float] | None = None) -> dict[str, Any]:
     view: dict[str, Any] = {
@@ -250,6 +259,17 @@ def _done(run: Run) -> bool:
     return run.state is RunState.DONE
 
 
+def _busy(exc: CapReached) -> web.Response:
+    """A read refused at its cap: 429, and when to ask again."""
+    response = _error(429, str(exc))
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+def _holder(request: web.Request) -> str:
+    return holder_of(request.headers.get("Authorization", ""))
+
+
 async def get_run(request: web.Request) -> web.Response:
     _authorize(request, read_only=True)
     api = request.app[API]
@@ -258,27 +278,32 @@ async def get_run(request: web.Request) -> web.Response:
     if wait not in (None, "done"):
         raise ApiError(400, "wait must be 'done'")
     timeout = float(_int_param(request, "timeout", 30, 0, int(MAX_WAIT_S)))
-    run = await api.ledger.get_run(run_id)
+    run = (await api.ledger.get_runs([run_id])).get(run_id)
     if run is None:
         raise ApiError(404, f"no run {run_id}")
+    counts: Mapping[OpState, int] | None = None
     if wait == "done" and not _done(run) and api.accepting:
-        # Long-poll: woken by the monitor whenever runs change, not by a sleep loop, and
-        # by the start of a drain: a waiting client must not hold the process past its
-        # grace period (it gets a 503 with the run as it stands, below).
-        deadline = time.monotonic() + timeout
-        while True:
-            changed = api.runs_changed.event()  # before the read: a later change sets it
-            current = await api.ledger.get_run(run_id)
-            if current is None:
-                raise ApiError(404, f"no run {run_id}")
-            run = current
-            remaining = deadline - time.monotonic()
-            if _done(run) or not api.accepting or remaining <= 0:
-                break
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await changed.wait()
-    counts = await api.ledger.run_counts(run_id)
+        # Long-poll: answered from the monitor's own read of the run (one per pass for
+        # every waiter on it), woken whenever it has read, and by the start of a drain:
+        # a waiting client must not hold the process past its grace period (it gets a
+        # 503 with the run as it stands, below).
+        try:
+            with api.long_polls.hold(_holder(request)), api.runs_changed.watch(run_id):
+                deadline = time.monotonic() + timeout
+                while True:
+                    changed = api.runs_changed.event()  # before looking: a later read sets it
+                    if (seen := api.runs_changed.seen(run_id)) is not None:
+                        run, counts = seen.run, seen.counts
+                    remaining = deadline - time.monotonic()
+                    if _done(run) or not api.accepting or remaining <= 0:
+                        break
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(remaining):
+                            await changed.wait()
+        except CapReached as exc:
+            return _busy(exc)
+    if counts is None:  # not waited, or answered before the monitor's first read of it
+        counts = await api.ledger.run_counts(run_id)
     view = run_view(run, counts, api.current_rate(), api.projected_finish)
     if wait == "done" and not _done(run) and not api.accepting:
         # A wait this process can no longer honour: said so, with when to ask again (of
@@ -398,6 +423,16 @@ async def get_exclusions(request: web.Request) -> web.StreamResponse:
     jsonl = fmt == "jsonl" or (fmt is None and exclusions.JSONL in accept)
     limit = _int_param(request, "limit", 1000, 1, MAX_PAGE)
     after_id = _cursor_param(request)
+    try:
+        with api.exclusion_reads.hold(_holder(request)):
+            return await _exclusions(request, schedule, jsonl, limit, after_id)
+    except CapReached as exc:
+        return _busy(exc)
+
+
+async def _exclusions(request: web.Request, schedule: str, jsonl: bool, limit: int,
+                      after_id: str | None) -> web.StreamResponse:
+    api = request.app[API]
     runs = await exclusions.current_runs(api.ledger, schedule)
     if not runs:
         raise ApiError(404, f"no run of schedule {schedule!r}")

@@ -48,6 +48,7 @@ class Database:
         self.healthy = False
         self.last_error: str | None = None
         self.commits = 0
+        self.reads = 0  # statements run on the reader: what a read path costs, in tests too
         self._corrupt = False
         # Why the writer task ended, while it is down: writes fail at once instead of
         # waiting in a queue nobody serves; :meth:`watch` starts a new writer.
@@ -190,6 +191,7 @@ class Database:
     async def read(self, query: str, params: Any = ()) -> list[sqlite3.Row]:
         if self._reader is None:
             raise StorageError("ledger is not open")
+        self.reads += 1
         try:
             # One round trip to the reader's thread, not three (execute, fetch, close).
             return list(await self._reader.execute_fetchall(query, params))

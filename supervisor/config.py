@@ -205,6 +205,9 @@ class PartnerConfig:
     # Probe only this long after the ambiguous attempt, so a slow partner has finished.
     probe_settle_seconds: float = 30.0
     probe_interval_seconds: float = 10.0
+    # An inconclusive probe (neither present nor absent) puts the next one off: by
+    # probe_settle_seconds, then twice as long after each further one, up to this.
+    probe_backoff_max_seconds: float = 21600.0
     token_env: str = "CUSTOMER_API_TOKEN"
     token: Secret | None = None
     idempotency_keys: bool = True
@@ -219,8 +222,13 @@ class PartnerConfig:
     def problems(self) -> list[str]:
         out = _positive("partner", self, "connect_timeout_seconds", "request_timeout_seconds",
                         "probe_settle_seconds", "probe_interval_seconds",
+                        "probe_backoff_max_seconds",
                         "max_attempts", "backoff_initial_seconds", "backoff_max_seconds",
                         "max_retry_after_seconds")
+        if self.probe_backoff_max_seconds < self.probe_settle_seconds:
+            out.append(f"partner.probe_backoff_max_seconds must be >= "
+                       f"partner.probe_settle_seconds, got {self.probe_backoff_max_seconds:g} "
+                       f"< {self.probe_settle_seconds:g}")
         if urlsplit(self.base_url).scheme not in ("http", "https"):
             out.append(f"partner.base_url must be an http(s) URL, got {self.base_url!r}")
         if "{recipient_id}" not in self.delete_path:

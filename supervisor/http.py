@@ -335,11 +335,16 @@ async def get_operation(request: web.Request) -> web.Response:
     op = await api.ledger.get_operation(op_id)
     if op is None:
         raise ApiError(404, f"no operation {op_id}")
-    attempts = await api.ledger.attempts(op_id)
+    # Paged: an operation probed for weeks has hundreds of rows (issue 17, L3).
+    limit = _int_param(request, "attempts_limit", 100, 1, MAX_PAGE)
+    after = _int_param(request, "attempts_after", 0, 0, 2**31 - 1)
+    attempts = await api.ledger.attempts(op_id, after, limit + 1)
     view = op_view(op)
     view["attempts_log"] = [
         {"n": a.n, "kind": a.kind, "started_at": a.started_at, "finished_at": a.finished_at,
-         "status": a.status, "outcome": a.outcome, "detail": a.detail} for a in attempts]
+         "status": a.status, "outcome": a.outcome, "detail": a.detail}
+        for a in attempts[:limit]]
+    view["attempts_next"] = str(after + limit) if len(attempts) > limit else None
     return _json(view)
 
 

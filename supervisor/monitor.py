@@ -136,6 +136,7 @@ class Monitor:
         metrics.QUEUE_OLDEST_AGE.set(q.oldest_claimable_age_s)
         s = self.last_stats = await self.ledger.stats()
         metrics.AMBIGUOUS.set(s.ambiguous)
+        metrics.INCONCLUSIVE.set(s.inconclusive)
         run = s.current_run
         if run is None:
             return

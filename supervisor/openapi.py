@@ -30,6 +30,13 @@ def _errors(*codes: int) -> dict[str, Any]:
                      "content": {"application/json": {"schema": _ERROR}}} for c in codes}
 
 
+# A read held open past its cap (service.max_long_polls, max_exclusion_reads).
+_BUSY = {"429": {"description": "too many held open, in all or for this token: ask again "
+                                "after Retry-After",
+                 "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+                 "content": {"application/json": {"schema": _ERROR}}}}
+
+
 def _ok(description: str, schema: dict[str, Any], status: str = "200") -> dict[str, Any]:
     return {status: {"description": description,
                      "content": {"application/json": {"schema": schema}}}}
@@ -88,7 +95,7 @@ DOCUMENT: dict[str, Any] = {
                     {"name": "timeout", "in": "query",
                      "schema": {"type": "integer", "minimum": 0, "maximum": 60}}],
                 "responses": {**_ok("the run", {"$ref": "#/components/schemas/Run"}),
-                              **_errors(400, 401, 404, 503)},
+                              **_errors(400, 401, 404, 503), **_BUSY},
             },
         },
         "/v1/runs/{run_id}/operations": {
@@ -119,7 +126,7 @@ DOCUMENT: dict[str, Any] = {
                                 "application/json": {"schema": {
                                     "$ref": "#/components/schemas/ExclusionPage"}},
                                 "application/x-ndjson": {"schema": {"type": "string"}}}},
-                    **_errors(400, 401, 404, 409)},
+                    **_errors(400, 401, 404, 409), **_BUSY},
             },
         },
         "/v1/operations": {
@@ -133,11 +140,17 @@ DOCUMENT: dict[str, Any] = {
         },
         "/v1/operations/{operation_id}": {
             "get": {
-                "summary": "One operation and its attempts log",
+                "summary": "One operation and a page of its attempts log",
                 "parameters": [{"name": "operation_id", "in": "path", "required": True,
-                                "schema": {"type": "string"}}],
+                                "schema": {"type": "string"}},
+                               {"name": "attempts_limit", "in": "query",
+                                "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+                               {"name": "attempts_after", "in": "query",
+                                "description": "the previous page's attempts_next",
+                                "schema": {"type": "integer", "minimum": 0,
+                                           "maximum": 2**31 - 1}}],
                 "responses": {**_ok("the operation", {"$ref": "#/components/schemas/Operation"}),
-                              **_errors(401, 404)},
+                              **_errors(400, 401, 404)},
             },
         },
         "/v1/operations/{operation_id}/resolve": {
@@ -245,6 +258,8 @@ DOCUMENT: dict[str, Any] = {
                     "attempts": {"type": "integer"}, "reason": _STR_OR_NULL,
                     "created_at": {"type": "number"}, "updated_at": {"type": "number"},
                     "attempts_log": {"type": "array", "items": {"type": "object"}},
+                    # The next page's attempts_after; null: this page is the last.
+                    "attempts_next": _STR_OR_NULL,
                 },
             },
             "Exclusion": {

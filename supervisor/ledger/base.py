@@ -121,6 +121,8 @@ class Received:
 @dataclass(frozen=True, slots=True)
 class LedgerStats:
     ambiguous: int = 0
+    # Ambiguous operations whose last probe was inconclusive (their next one put off).
+    inconclusive: int = 0
     current_run: Run | None = None
     current_run_by_state: Mapping[OpState, int] = field(default_factory=dict)
 
@@ -198,7 +200,10 @@ class Ledger(Protocol):
         """A run's operations ordered by ID, after the operation ID ``after`` (a cursor
         that means the same in every backend: no storage row ID)."""
 
-    async def attempts(self, operation_id: str) -> list[Attempt]: ...
+    async def attempts(self, operation_id: str, after: int = 0,
+                       limit: int | None = None) -> list[Attempt]:
+        """The operation's attempts and evidence in the order written: ``limit`` of them
+        (None: all) after the first ``after`` (a position: the log is only appended to)."""
 
     async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
                             busy_s: float = 0.0, supersedes_open: bool = True) -> int:
@@ -214,12 +219,16 @@ class Ledger(Protocol):
         ack or publish again (none when the queue lives in the ledger's own database)."""
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
-                              reason: str, detail: str, status: int | None = None) -> bool:
+                              reason: str, detail: str, status: int | None = None,
+                              probe_after_s: float | None = None) -> bool:
         """Record a probe's or operator's finding and move the operation; True when the
-        operation was queued again and its message must still be published."""
+        operation was queued again and its message must still be published.
+        ``probe_after_s``: an inconclusive finding (``target`` ambiguous) puts the next
+        probe off this long (the operation's ``due_at``)."""
 
     async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
-        """Ambiguous operations that have settled for long enough to be probed."""
+        """Ambiguous operations that have settled for long enough to be probed, and whose
+        next probe is not put off."""
 
     async def operations_in_state(self, state: OpState, after: str | None,
                                   limit: int) -> list[Operation]:

@@ -188,7 +188,10 @@ REOPEN_RUN = (
     "UPDATE runs SET state = 'draining', finished_at = NULL WHERE id = $1 AND state = 'done'"
 )
 COUNT_RUN_STATES = "SELECT state, COUNT(*) FROM operations WHERE run_id = $1 GROUP BY state"
-COUNT_AMBIGUOUS = "SELECT COUNT(*) FROM operations WHERE state = 'ambiguous'"
+COUNT_AMBIGUOUS = (
+    "SELECT COUNT(*), COUNT(*) FILTER (WHERE due_at > updated_at) FROM operations "
+    "WHERE state = 'ambiguous'"
+)
 
 # operations
 INSERT_OPERATIONS = (
@@ -278,8 +281,9 @@ def transition(target: OpState, guard_busy: bool) -> str:
 
 SELECT_AMBIGUOUS_DUE = (
     f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= $1 "
-    "ORDER BY updated_at LIMIT $2"
+    "AND COALESCE(due_at, 0) <= $2 ORDER BY updated_at LIMIT $3"
 )
+PUT_OFF_PROBE = "UPDATE operations SET due_at = $1 WHERE id = $2"
 
 # attempts
 INSERT_ATTEMPT = (
@@ -300,9 +304,10 @@ CLOSE_OPEN_ATTEMPTS = (
     "detail = 'no outcome recorded (process stopped or lease lost)' "
     "WHERE operation_id = $2 AND outcome IS NULL"
 )
+# Paged by position in the operation's log: LIMIT NULL is all.
 SELECT_ATTEMPTS = (
     "SELECT id, operation_id, n, kind, started_at, finished_at, status, outcome, detail "
-    "FROM attempts WHERE operation_id = $1 ORDER BY id"
+    "FROM attempts WHERE operation_id = $1 ORDER BY id LIMIT $2 OFFSET $3"
 )
 
 # the queue table

@@ -249,8 +249,9 @@ class PostgresLedger:
         rows = await self.db.read(sql.SELECT_OPERATIONS_BY_STATE, state.value, after or "", limit)
         return [_op(r) for r in rows]
 
-    async def attempts(self, operation_id: str) -> list[Attempt]:
-        rows = await self.db.read(sql.SELECT_ATTEMPTS, operation_id)
+    async def attempts(self, operation_id: str, after: int = 0,
+                       limit: int | None = None) -> list[Attempt]:
+        rows = await self.db.read(sql.SELECT_ATTEMPTS, operation_id, limit, after)
         return [Attempt(*r) for r in rows]
 
     async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
@@ -313,7 +314,8 @@ class PostgresLedger:
                 if s.delivery is not None and s.disposition is not Disposition.KEEP]
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
-                              reason: str, detail: str, status: int | None = None) -> bool:
+                              reason: str, detail: str, status: int | None = None,
+                              probe_after_s: float | None = None) -> bool:
         async def write(conn: Conn) -> None:
             if target is OpState.QUEUED:
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", self._finish_lock)
@@ -327,6 +329,8 @@ class PostgresLedger:
                                status, target.value, detail[:1000])
             if target in SETTLED and target is not op.state:
                 await self._record_settled(conn, [operation_id], now)
+            if target is OpState.AMBIGUOUS and probe_after_s is not None:
+                await conn.execute(sql.PUT_OFF_PROBE, now + probe_after_s, operation_id)
             if target is OpState.QUEUED:
                 await conn.execute(sql.REOPEN_RUN, op.run_id)
                 await conn.execute(sql.SETTLE_BOOKKEEPING, False, now, not self._owns_queue,
@@ -340,7 +344,7 @@ class PostgresLedger:
         return target is OpState.QUEUED and not self._owns_queue
 
     async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
-        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, settled_before, limit)
+        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, settled_before, time.time(), limit)
         return [_op(r) for r in rows]
 
     async def overdue(self, before: float | None, unposted_before: float,
@@ -359,7 +363,8 @@ class PostgresLedger:
         row = await self.db.read_one(sql.SELECT_CURRENT_RUN)
         current = _run(row, listed=True) if row else None
         counts = await self.run_counts(current.id) if current else {}
-        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0, current_run=current,
+        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0,
+                           inconclusive=ambiguous[1] if ambiguous else 0, current_run=current,
                            current_run_by_state=counts)
 
     async def load_budget(self, key: str) -> dict[str, Any] | None:

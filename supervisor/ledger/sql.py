@@ -230,8 +230,13 @@ REOPEN_RUN = (
     "UPDATE runs SET state = 'draining', finished_at = NULL WHERE id = ? AND state = 'done'"
 )
 COUNT_RUN_STATES = "SELECT state, COUNT(*) FROM operations WHERE run_id = ? GROUP BY state"
-# Every second: only the unsettled (by the state index), never the whole history.
-COUNT_AMBIGUOUS = "SELECT COUNT(*) FROM operations WHERE state = 'ambiguous'"
+# Every second: only the unsettled (by the state index), never the whole history. An
+# inconclusive probe puts the next one off (due_at past the probe's own time): those are
+# the ambiguous operations whose last probe was inconclusive.
+COUNT_AMBIGUOUS = (
+    "SELECT COUNT(*), COUNT(*) FILTER (WHERE due_at > updated_at) FROM operations "
+    "WHERE state = 'ambiguous'"
+)
 
 # operations
 INSERT_OPERATION = (
@@ -341,10 +346,12 @@ def transition(target: OpState, guard_busy: bool, returning: bool = True) -> str
 SELECT_OPERATIONS_BY_STATE = (
     f"SELECT {OP_COLUMNS} FROM operations WHERE state = ? AND id > ? ORDER BY id LIMIT ?"
 )
+# Settled long enough, and not put off by an inconclusive probe (due_at: its backoff).
 SELECT_AMBIGUOUS_DUE = (
     f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= ? "
-    "ORDER BY updated_at LIMIT ?"
+    "AND COALESCE(due_at, 0) <= ? ORDER BY updated_at LIMIT ?"
 )
+PUT_OFF_PROBE = "UPDATE operations SET due_at = ? WHERE id = ?"
 INSERT_EVIDENCE = (
     "INSERT INTO attempts (operation_id, n, kind, started_at, finished_at, status, outcome, detail) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
@@ -364,9 +371,10 @@ CLOSE_OPEN_ATTEMPTS = (
     "detail = 'no outcome recorded (process stopped or lease lost)' "
     "WHERE operation_id = ? AND outcome IS NULL"
 )
+# Paged by position in the operation's log (rows are only ever appended): LIMIT -1 is all.
 SELECT_ATTEMPTS = (
     "SELECT id, operation_id, n, kind, started_at, finished_at, status, outcome, detail "
-    "FROM attempts WHERE operation_id = ? ORDER BY id"
+    "FROM attempts WHERE operation_id = ? ORDER BY id LIMIT ? OFFSET ?"
 )
 
 # embedded queue

@@ -242,8 +242,10 @@ class SqliteLedger(outbox.OutboxMixin):
                                       (run_id, state.value, after or "", limit))
         return [_op(r) for r in rows]
 
-    async def attempts(self, operation_id: str) -> list[Attempt]:
-        rows = await self.db.read(sql.SELECT_ATTEMPTS, (operation_id,))
+    async def attempts(self, operation_id: str, after: int = 0,
+                       limit: int | None = None) -> list[Attempt]:
+        rows = await self.db.read(sql.SELECT_ATTEMPTS,
+                                  (operation_id, -1 if limit is None else limit, after))
         return [Attempt(*r) for r in rows]
 
     async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
@@ -412,7 +414,8 @@ class SqliteLedger(outbox.OutboxMixin):
                 "clear": retry and not self._owns_queue, "id": s.operation_id}
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
-                              reason: str, detail: str, status: int | None = None) -> bool:
+                              reason: str, detail: str, status: int | None = None,
+                              probe_after_s: float | None = None) -> bool:
         """Record a probe's or an operator's finding and move the operation on it.
 
         Returns True when the operation was queued again and the transport (when it is
@@ -429,6 +432,8 @@ class SqliteLedger(outbox.OutboxMixin):
                                                      status, target.value, detail[:1000]))
             if target in SETTLED and target is not op.state:  # an inconclusive probe: none
                 await outbox.record_settled(conn, [operation_id], now)
+            if target is OpState.AMBIGUOUS and probe_after_s is not None:
+                await conn.execute(sql.PUT_OFF_PROBE, (now + probe_after_s, operation_id))
             if target is OpState.QUEUED:
                 await conn.execute(sql.REOPEN_RUN, (op.run_id,))
                 # Due now, with no live message until it is published (redrive's cue
@@ -445,7 +450,7 @@ class SqliteLedger(outbox.OutboxMixin):
         return target is OpState.QUEUED and not self._owns_queue
 
     async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
-        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, (settled_before, limit))
+        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, (settled_before, time.time(), limit))
         return [_op(r) for r in rows]
 
     async def operations_in_state(self, state: OpState, after: str | None,
@@ -481,7 +486,8 @@ class SqliteLedger(outbox.OutboxMixin):
         row = await self.db.read_one(sql.SELECT_CURRENT_RUN)
         current = _run(row, listed=True) if row else None
         current_counts = await self.run_counts(current.id) if current else {}
-        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0, current_run=current,
+        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0,
+                           inconclusive=ambiguous[1] if ambiguous else 0, current_run=current,
                            current_run_by_state=current_counts)
 
     async def load_budget(self, key: str) -> dict[str, Any] | None:

@@ -772,6 +772,35 @@ class TestLedgerContract:
                                                                  10)] == [op_id]
         assert (await ledger.stats()).ambiguous == 1
 
+    async def test_an_inconclusive_probe_puts_the_next_one_off(self, backend: Backend) -> None:
+        ledger = backend.ledger
+        _, op_id = await self._ambiguous(backend)
+        assert (await ledger.stats()).inconclusive == 0
+        await ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
+                                     "inconclusive: probe HTTP 500", probe_after_s=600.0)
+        op = await operation(ledger, op_id)
+        assert op.due_at == pytest.approx(op.updated_at + 600.0)
+        assert await ledger.ambiguous_due(time.time() + 3600, 10) == []  # put off
+        assert ((await ledger.stats()).ambiguous, (await ledger.stats()).inconclusive) == (1, 1)
+        await ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
+                                     "inconclusive: probe HTTP 500", probe_after_s=0.0)
+        assert [o.id for o in await ledger.ambiguous_due(time.time() + 1, 10)] == [op_id]
+        await ledger.record_evidence(op_id, "operator", OpState.DELETED, "by hand", "ops: ok")
+        assert (await ledger.stats()).inconclusive == 0
+
+    async def test_attempts_are_paged_in_the_order_written(self, backend: Backend) -> None:
+        ledger = backend.ledger
+        _, op_id = await self._ambiguous(backend)
+        for i in range(5):
+            await ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
+                                         f"inconclusive {i}")
+        everything = await ledger.attempts(op_id)
+        assert [a.detail for a in everything][1:] == [f"inconclusive {i}" for i in range(5)]
+        assert await ledger.attempts(op_id, 0, 2) == everything[:2]
+        assert await ledger.attempts(op_id, 2, 2) == everything[2:4]
+        assert await ledger.attempts(op_id, 4, 10) == everything[4:]
+        assert await ledger.attempts(op_id, 6, 10) == []
+
     async def test_evidence_moves_an_ambiguous_operation(self, backend: Backend) -> None:
         ledger, queue = backend.ledger, backend.queue
         run, op_id = await self._ambiguous(backend)

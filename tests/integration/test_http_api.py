@@ -389,6 +389,39 @@ async def test_operation_view_with_attempts(api: Api) -> None:
         (1, 204, "deleted")]
 
 
+async def test_attempts_log_is_paged(api: Api) -> None:
+    """An operation probed for weeks has hundreds of rows: a page of them, and a cursor."""
+    await _run_with_operations(api, 1)
+    [message] = await api.ledger.unpublished(1)
+    op_id = message.operation_id
+    attempt = await api.ledger.begin_attempt(op_id, "delete")
+    await api.ledger.settle([Settlement(op_id, OpState.AMBIGUOUS, None, attempt_id=attempt,
+                                        outcome="ambiguous")])
+    for i in range(6):
+        await api.ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
+                                         f"inconclusive {i}")
+    details: list[str | None] = []
+    after: str | None = "0"
+    pages = 0
+    while after is not None:
+        status, doc = await call(api, "GET", f"/v1/operations/{op_id}", headers=AUTH,
+                                 params={"attempts_limit": "3", "attempts_after": after})
+        assert status == 200
+        assert len(doc["attempts_log"]) <= 3
+        details += [a["detail"] for a in doc["attempts_log"]]
+        after, pages = doc["attempts_next"], pages + 1
+    assert pages == 3
+    assert details == [None, *[f"inconclusive {i}" for i in range(6)]]
+    status, doc = await call(api, "GET", f"/v1/operations/{op_id}", headers=AUTH)
+    assert (len(doc["attempts_log"]), doc["attempts_next"]) == (7, None)  # default: 100
+    for query in ({"attempts_limit": "0"}, {"attempts_limit": "1001"},
+                  {"attempts_after": "-1"}, {"attempts_after": "x"}):
+        status, doc = await call(api, "GET", f"/v1/operations/{op_id}", headers=AUTH,
+                                 params=query)
+        assert status == 400, query
+        assert next(iter(query)) in doc["error"]
+
+
 # -- long-poll ---------------------------------------------------------------------------------
 
 

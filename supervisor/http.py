@@ -62,6 +62,8 @@ class ApiState:
     push: PushReceiver | None = None
     long_polls: ReadCap = field(init=False)
     exclusion_reads: ReadCap = field(init=False)
+    # One exclusions page read at a time (supervisor/exclusions.py batches).
+    exclusion_pages: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         s = self.config.service
@@ -451,8 +453,10 @@ async def _exclusions(request: web.Request, schedule: str, jsonl: bool, limit: i
             raise ApiError(409, "the schedule's current runs changed since the first page; "
                                 "start again without after")
     if jsonl:  # ``after``: resume a stream that was cut, after its last line
-        return await exclusions.stream(request, api.ledger, runs, cutoff, after)
-    rows, next_after = await exclusions.page(api.ledger, runs, after, limit)
+        return await exclusions.stream(request, api.ledger, runs, cutoff, after,
+                                       api.exclusion_pages)
+    rows, next_after = await exclusions.page(api.ledger, runs, after, limit,
+                                             api.exclusion_pages)
     return _json({"schedule": schedule,
                   "runs": [exclusions.run_header(run, cutoff) for run in runs],
                   "exclusions": [exclusions.record(op) for op in rows],

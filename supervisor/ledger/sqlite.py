@@ -146,7 +146,8 @@ class SqliteLedger(outbox.OutboxMixin):
         return {r[0]: _run(r, listed=True) for r in rows}
 
     async def schedule_runs(self, schedule: str) -> list[Run]:
-        rows = await self.db.read(sql.SELECT_SCHEDULE_RUNS, {"schedule": schedule})
+        rows = await self.db.read(sql.SELECT_SCHEDULE_RUNS, {"schedule": schedule},
+                                  listing=True)  # an exclusions read: off the hot reader
         return [_run(r, listed=True) for r in rows]
 
     async def run_counts(self, run_id: str) -> dict[OpState, int]:
@@ -235,11 +236,13 @@ class SqliteLedger(outbox.OutboxMixin):
 
     async def list_operations(self, run_id: str, state: OpState | None, after: str | None,
                               limit: int) -> list[Operation]:
+        # The API's and the exclusions' pages: on the listing connection (see Database).
         if state is None:
-            rows = await self.db.read(sql.SELECT_OPERATIONS, (run_id, after or "", limit))
+            rows = await self.db.read(sql.SELECT_OPERATIONS, (run_id, after or "", limit),
+                                      listing=True)
         else:
             rows = await self.db.read(sql.SELECT_OPERATIONS_IN_STATE,
-                                      (run_id, state.value, after or "", limit))
+                                      (run_id, state.value, after or "", limit), listing=True)
         return [_op(r) for r in rows]
 
     async def attempts(self, operation_id: str, after: int = 0,

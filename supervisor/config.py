@@ -23,6 +23,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
 
+from supervisor.api_settings import ApiConfig
 from supervisor.configtypes import Secret, _positive
 from supervisor.errors import ConfigError
 from supervisor.events.settings import EventsConfig, resolve_sinks
@@ -48,13 +49,6 @@ class ServiceConfig:
     restart_backoff_max_seconds: float = 30.0
     max_restarts: int = 5
     restart_window_seconds: float = 60.0
-    # Reads a client holds open: long-polls (GET /v1/runs/{id}?wait=done) and exclusions
-    # reads (GET /v1/exclusions, paged or streamed), in total and per token. Past a cap
-    # the request is answered 429 with Retry-After.
-    max_long_polls: int = 1000
-    max_long_polls_per_token: int = 500
-    max_exclusion_reads: int = 32
-    max_exclusion_reads_per_token: int = 20
 
     @property
     def host(self) -> str:
@@ -71,14 +65,7 @@ class ServiceConfig:
             out.append(f"service.listen must be HOST:PORT, got {self.listen!r}")
         out += _positive("service", self, "shutdown_grace_seconds", "max_body_bytes",
                          "restart_backoff_seconds", "restart_backoff_max_seconds",
-                         "max_restarts", "restart_window_seconds", "max_long_polls",
-                         "max_long_polls_per_token", "max_exclusion_reads",
-                         "max_exclusion_reads_per_token")
-        for cap in ("max_long_polls", "max_exclusion_reads"):
-            total, per_token = getattr(self, cap), getattr(self, f"{cap}_per_token")
-            if per_token > total:
-                out.append(f"service.{cap}_per_token must be <= service.{cap}, "
-                           f"got {per_token} > {total}")
+                         "max_restarts", "restart_window_seconds")
         return out
 
 
@@ -365,6 +352,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     status: StatusConfig = field(default_factory=StatusConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
 
     @property
     def ledger_path(self) -> Path:

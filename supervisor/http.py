@@ -66,7 +66,7 @@ class ApiState:
     exclusion_pages: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
-        s = self.config.service
+        s = self.config.api
         self.long_polls = ReadCap("long_poll", s.max_long_polls, s.max_long_polls_per_token)
         self.exclusion_reads = ReadCap("exclusions", s.max_exclusion_reads,
                                        s.max_exclusion_reads_per_token)

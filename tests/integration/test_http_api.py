@@ -471,8 +471,8 @@ async def _until(condition: Callable[[], bool], within_s: float = 10.0) -> None:
 async def test_many_long_polls_on_one_run_cost_one_read_per_monitor_pass(tmp_path: Path) -> None:
     """Issue 17, M7: a waiter reads nothing itself; the monitor reads each watched run once
     per pass for all of them (it used to be one read per waiter per notification)."""
-    async with running_api(load_config(tmp_path, service__max_long_polls_per_token="200",
-                                       service__max_long_polls="200")) as api:
+    async with running_api(load_config(tmp_path, api__max_long_polls_per_token="200",
+                                       api__max_long_polls="200")) as api:
         run_id = await _run_with_operations(api, 1)
         polls = [asyncio.create_task(call(api, "GET", f"/v1/runs/{run_id}", headers=AUTH,
                                           params={"wait": "done", "timeout": "30"}))
@@ -509,8 +509,8 @@ async def test_long_polls_are_capped_per_token_and_in_all_with_retry_after(
     viewer = "viewer-token-for-the-read-caps-test-0123456789"
     cfg = config_module.load(None, environ={
         "CLEANUP_TRIGGER_TOKEN": TOKEN, "CLEANUP_STATUS_TOKEN": viewer,
-        "CLEANUP__SERVICE__DATA_DIR": str(tmp_path), "CLEANUP__SERVICE__MAX_LONG_POLLS": "3",
-        "CLEANUP__SERVICE__MAX_LONG_POLLS_PER_TOKEN": "2"})
+        "CLEANUP__SERVICE__DATA_DIR": str(tmp_path), "CLEANUP__API__MAX_LONG_POLLS": "3",
+        "CLEANUP__API__MAX_LONG_POLLS_PER_TOKEN": "2"})
     as_viewer = {"Authorization": f"Bearer {viewer}"}
     async with running_api(cfg) as api:
         run_id = await _run_with_operations(api, 1)
@@ -548,8 +548,8 @@ async def test_long_polls_are_capped_per_token_and_in_all_with_retry_after(
 
 
 async def test_exclusions_reads_are_capped_with_retry_after(tmp_path: Path) -> None:
-    async with running_api(load_config(tmp_path, service__max_exclusion_reads="4",
-                                       service__max_exclusion_reads_per_token="1")) as api:
+    async with running_api(load_config(tmp_path, api__max_exclusion_reads="4",
+                                       api__max_exclusion_reads_per_token="1")) as api:
         await _run_with_operations(api, 3)
         path = "/v1/exclusions?schedule=weekly"
         # A read of this token already held open (a stream being written).

@@ -98,6 +98,10 @@ DIGEST_CUTOFF = Gauge(
     "cleanup_digest_cutoff_timestamp_seconds",
     "When the current run must be drained by (schedule.digest_cutoff_seconds); 0 when unset.")
 AMBIGUOUS = Gauge("cleanup_ambiguous_operations", "Operations waiting for reconciliation.")
+INCONCLUSIVE = Gauge(
+    "cleanup_reconcile_inconclusive_operations",
+    "Ambiguous operations whose last probe was inconclusive: each is probed again later and "
+    "later (capped), and may need an operator's decision.")
 REDRIVEN = Counter(
     "cleanup_redriven_operations", "Unfinished operations found without a message and published again.")
 PROBES = Counter("cleanup_probes", "Reconciliation probes, by finding.", ["finding"])
@@ -106,6 +110,14 @@ SCAN_SKIPPED = Counter(
     "cleanup_scan_skipped_candidates", "Candidates rejected as malformed.", ["reason"])
 LAST_TICK = Gauge("cleanup_last_tick_timestamp_seconds", "Unix time of the last run opened.")
 TICKS = Counter("cleanup_ticks", "Ticks received, by result.", ["result"])
+
+READS_HELD = Gauge(
+    "cleanup_api_held_reads",
+    "Reads a client holds open now: long-polls (?wait=done) and exclusions reads.", ["kind"])
+READS_REFUSED = Counter(
+    "cleanup_api_refused_reads",
+    "Long-polls and exclusions reads answered 429 at a cap (in total or per token).",
+    ["kind", "cap"])
 
 COMPONENT_RESTARTS = Counter(
     "cleanup_component_restarts", "Components restarted after a crash.", ["component"])

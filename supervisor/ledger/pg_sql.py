@@ -122,6 +122,15 @@ MIGRATIONS = (
             detail TEXT NOT NULL)""",
         "CREATE INDEX IF NOT EXISTS operator_actions_action ON operator_actions(action, id)",
     )),
+    # List reads show a run's source kind without its JSON (an inline run's IDs), and
+    # exclusions read a schedule's newest and unfinished runs through an index.
+    Migration("ledger", 3, (
+        "ALTER TABLE runs ADD COLUMN IF NOT EXISTS source_kind TEXT",
+        "UPDATE runs SET source_kind = source::json->>'kind' WHERE source_kind IS NULL",
+        "CREATE INDEX IF NOT EXISTS runs_schedule ON runs(schedule, created_at, id)",
+        "CREATE INDEX IF NOT EXISTS runs_schedule_unfinished ON runs(schedule, created_at, id) "
+        "WHERE state != 'done'",
+    )),
 )
 
 DB_NOW = "extract(epoch from clock_timestamp())::double precision"
@@ -131,12 +140,14 @@ RUN_COLUMNS = (
     "discovered, skipped_candidates, scan_failures, last_error, created_at, "
     "scan_finished_at, finished_at"
 )
+# List reads: the source's kind, not its JSON (see supervisor/ledger/sql.py).
+LIST_RUN_COLUMNS = RUN_COLUMNS.replace("state, source,", "state, source_kind,")
 OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at, due_at"
 
 # runs
 INSERT_RUN = (
-    "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, created_at) "
-    "VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (tick_key) DO NOTHING"
+    "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, source_kind, "
+    "created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (tick_key) DO NOTHING"
 )
 SELECT_RUN_BY_TICK = f"SELECT {RUN_COLUMNS} FROM runs WHERE tick_key = $1"
 SELECT_RECENT_RUN_OF_SCHEDULE = (
@@ -145,17 +156,23 @@ SELECT_RECENT_RUN_OF_SCHEDULE = (
 )
 SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"
 SELECT_UNFINISHED_RUN = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
 )
-SELECT_RUNS = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC, id DESC LIMIT $1"
+SELECT_RUNS = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC, id DESC LIMIT $1"
 SELECT_RUNS_BEFORE = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE (created_at, id) < "
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE (created_at, id) < "
     "(SELECT created_at, id FROM runs WHERE id = $1) ORDER BY created_at DESC, id DESC LIMIT $2"
+)
+SELECT_RUNS_BY_ID = f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE id = ANY($1::text[])"
+SELECT_SCHEDULE_RUNS = (
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = $1 AND state != 'done' "
+    f"UNION SELECT * FROM (SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = $1 "
+    "ORDER BY created_at DESC, id DESC LIMIT 1) newest ORDER BY created_at, id"
 )
 SELECT_RUNS_TO_SCAN = (
     f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
 )
-SELECT_CURRENT_RUN = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
+SELECT_CURRENT_RUN = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
 # Only from the cursor the scan resumed from: a second scanner (a holder that lost its
 # role without knowing) cannot write a page over the one that took over.
 UPDATE_RUN_PAGE = (
@@ -184,7 +201,10 @@ REOPEN_RUN = (
     "UPDATE runs SET state = 'draining', finished_at = NULL WHERE id = $1 AND state = 'done'"
 )
 COUNT_RUN_STATES = "SELECT state, COUNT(*) FROM operations WHERE run_id = $1 GROUP BY state"
-COUNT_AMBIGUOUS = "SELECT COUNT(*) FROM operations WHERE state = 'ambiguous'"
+COUNT_AMBIGUOUS = (
+    "SELECT COUNT(*), COUNT(*) FILTER (WHERE due_at > updated_at) FROM operations "
+    "WHERE state = 'ambiguous'"
+)
 
 # operations
 INSERT_OPERATIONS = (
@@ -286,8 +306,9 @@ def transition(target: OpState, guard_busy: bool) -> str:
 
 SELECT_AMBIGUOUS_DUE = (
     f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= $1 "
-    "ORDER BY updated_at LIMIT $2"
+    "AND COALESCE(due_at, 0) <= $2 ORDER BY updated_at LIMIT $3"
 )
+PUT_OFF_PROBE = "UPDATE operations SET due_at = $1 WHERE id = $2"
 
 # attempts
 INSERT_ATTEMPT = (
@@ -308,9 +329,10 @@ CLOSE_OPEN_ATTEMPTS = (
     "detail = 'no outcome recorded (process stopped or lease lost)' "
     "WHERE operation_id = $2 AND outcome IS NULL"
 )
+# Paged by position in the operation's log: LIMIT NULL is all.
 SELECT_ATTEMPTS = (
     "SELECT id, operation_id, n, kind, started_at, finished_at, status, outcome, detail "
-    "FROM attempts WHERE operation_id = $1 ORDER BY id"
+    "FROM attempts WHERE operation_id = $1 ORDER BY id LIMIT $2 OFFSET $3"
 )
 
 # the queue table

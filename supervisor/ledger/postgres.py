@@ -49,12 +49,13 @@ from supervisor.states import SETTLED, OpState, RunState
 log = logging.getLogger(__name__)
 
 
-def _run(r: asyncpg.Record) -> Run:
+def _run(r: asyncpg.Record, listed: bool = False) -> Run:
+    """A run from RUN_COLUMNS, or (``listed``) from LIST_RUN_COLUMNS: its source's kind."""
     return Run(
         id=r[0], tick_key=r[1], schedule=r[2], scheduled_for=r[3], state=RunState(r[4]),
-        source=orjson.loads(r[5]), scan_cursor=r[6], scan_pages=r[7], discovered=r[8],
-        skipped_candidates=r[9], scan_failures=r[10], last_error=r[11], created_at=r[12],
-        scan_finished_at=r[13], finished_at=r[14])
+        source={"kind": r[5]} if listed else orjson.loads(r[5]), scan_cursor=r[6],
+        scan_pages=r[7], discovered=r[8], skipped_candidates=r[9], scan_failures=r[10],
+        last_error=r[11], created_at=r[12], scan_finished_at=r[13], finished_at=r[14])
 
 
 def _op(r: asyncpg.Record, unfinished: bool = False) -> Operation:
@@ -103,11 +104,13 @@ class PostgresLedger:
             if skip_if_unfinished:
                 busy = await conn.fetchrow(sql.SELECT_UNFINISHED_RUN)
                 if busy is not None:
-                    return OpenRunResult(None, created=False, skipped_for=_run(busy))
+                    return OpenRunResult(None, created=False,
+                                         skipped_for=_run(busy, listed=True))
             now = time.time()
             run_id = new_run_id(now)
             await conn.execute(sql.INSERT_RUN, run_id, tick_key, schedule, scheduled_for,
-                               RunState.SCANNING.value, orjson.dumps(source).decode(), now)
+                               RunState.SCANNING.value, orjson.dumps(source).decode(),
+                               source.get("kind"), now)
             row = await conn.fetchrow(sql.SELECT_RUN, run_id)
             assert row is not None
             await self.db.notify(conn, "runs", run_id)
@@ -124,7 +127,15 @@ class PostgresLedger:
             rows = await self.db.read(sql.SELECT_RUNS, limit)
         else:
             rows = await self.db.read(sql.SELECT_RUNS_BEFORE, before, limit)
-        return [_run(r) for r in rows]
+        return [_run(r, listed=True) for r in rows]
+
+    async def get_runs(self, run_ids: Sequence[str]) -> dict[str, Run]:
+        rows = await self.db.read(sql.SELECT_RUNS_BY_ID, list(run_ids))
+        return {r[0]: _run(r, listed=True) for r in rows}
+
+    async def schedule_runs(self, schedule: str) -> list[Run]:
+        return [_run(r, listed=True) for r in await self.db.read(sql.SELECT_SCHEDULE_RUNS,
+                                                                 schedule)]
 
     async def run_counts(self, run_id: str) -> dict[OpState, int]:
         rows = await self.db.read(sql.COUNT_RUN_STATES, run_id)
@@ -242,8 +253,9 @@ class PostgresLedger:
         rows = await self.db.read(sql.SELECT_OPERATIONS_BY_STATE, state.value, after or "", limit)
         return [_op(r) for r in rows]
 
-    async def attempts(self, operation_id: str) -> list[Attempt]:
-        rows = await self.db.read(sql.SELECT_ATTEMPTS, operation_id)
+    async def attempts(self, operation_id: str, after: int = 0,
+                       limit: int | None = None) -> list[Attempt]:
+        rows = await self.db.read(sql.SELECT_ATTEMPTS, operation_id, limit, after)
         return [Attempt(*r) for r in rows]
 
     async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
@@ -306,7 +318,8 @@ class PostgresLedger:
                 if s.delivery is not None and s.disposition is not Disposition.KEEP]
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
-                              reason: str, detail: str, status: int | None = None) -> bool:
+                              reason: str, detail: str, status: int | None = None,
+                              probe_after_s: float | None = None) -> bool:
         async def write(conn: Conn) -> None:
             if target is OpState.QUEUED:
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", self._finish_lock)
@@ -320,6 +333,8 @@ class PostgresLedger:
                                status, target.value, detail[:1000])
             if target in SETTLED and target is not op.state:
                 await self._record_settled(conn, [operation_id], now)
+            if target is OpState.AMBIGUOUS and probe_after_s is not None:
+                await conn.execute(sql.PUT_OFF_PROBE, now + probe_after_s, operation_id)
             if target is OpState.QUEUED:
                 await conn.execute(sql.REOPEN_RUN, op.run_id)
                 await conn.execute(sql.SETTLE_BOOKKEEPING, False, now, not self._owns_queue,
@@ -333,7 +348,7 @@ class PostgresLedger:
         return target is OpState.QUEUED and not self._owns_queue
 
     async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
-        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, settled_before, limit)
+        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, settled_before, time.time(), limit)
         return [_op(r) for r in rows]
 
     async def overdue(self, before: float | None, unposted_before: float,
@@ -350,9 +365,10 @@ class PostgresLedger:
     async def stats(self) -> LedgerStats:
         ambiguous = await self.db.read_one(sql.COUNT_AMBIGUOUS)
         row = await self.db.read_one(sql.SELECT_CURRENT_RUN)
-        current = _run(row) if row else None
+        current = _run(row, listed=True) if row else None
         counts = await self.run_counts(current.id) if current else {}
-        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0, current_run=current,
+        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0,
+                           inconclusive=ambiguous[1] if ambiguous else 0, current_run=current,
                            current_run_by_state=counts)
 
     async def load_budget(self, key: str) -> dict[str, Any] | None:

@@ -38,7 +38,7 @@ class LedgerConfig:
         if self.heartbeat_seconds * 2 > self.dead_after_seconds:
             out.append(f"ledger.dead_after_seconds ({self.dead_after_seconds}) must be at least "
                        f"twice ledger.heartbeat_seconds ({self.heartbeat_seconds})")
-        if not SCHEMA_NAME.match(self.schema):
+        if not SCHEMA_NAME.fullmatch(self.schema):
             out.append(f"ledger.schema must be a lower-case SQL identifier of at most 40 "
                        f"characters, got {self.schema!r}")
         if self.backend == "postgres" and self.dsn is None:

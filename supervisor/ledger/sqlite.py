@@ -70,10 +70,12 @@ def new_run_id(now: float) -> str:
     return "run_" + time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + "_" + secrets.token_hex(3)
 
 
-def _run(row: sqlite3.Row | tuple[Any, ...]) -> Run:
+def _run(row: sqlite3.Row | tuple[Any, ...], listed: bool = False) -> Run:
+    """A run from RUN_COLUMNS, or (``listed``) from LIST_RUN_COLUMNS: its source's kind."""
     return Run(
         id=row[0], tick_key=row[1], schedule=row[2], scheduled_for=row[3],
-        state=RunState(row[4]), source=orjson.loads(row[5]), scan_cursor=row[6],
+        state=RunState(row[4]), source={"kind": row[5]} if listed else orjson.loads(row[5]),
+        scan_cursor=row[6],
         scan_pages=row[7], discovered=row[8], skipped_candidates=row[9],
         scan_failures=row[10], last_error=row[11], created_at=row[12],
         scan_finished_at=row[13], finished_at=row[14],
@@ -117,12 +119,13 @@ class SqliteLedger(outbox.OutboxMixin):
             if skip_if_unfinished:
                 busy = await _fetchone(conn, sql.SELECT_UNFINISHED_RUN, ())
                 if busy is not None:
-                    return OpenRunResult(None, created=False, skipped_for=_run(busy))
+                    return OpenRunResult(None, created=False,
+                                         skipped_for=_run(busy, listed=True))
             now = time.time()
             run_id = new_run_id(now)
             await conn.execute(sql.INSERT_RUN, (run_id, tick_key, schedule, scheduled_for,
                                                 RunState.SCANNING.value, orjson.dumps(source),
-                                                now))
+                                                source.get("kind"), now))
             row = await _fetchone(conn, sql.SELECT_RUN, (run_id,))
             assert row is not None
             return OpenRunResult(_run(row), created=True)
@@ -138,7 +141,16 @@ class SqliteLedger(outbox.OutboxMixin):
             rows = await self.db.read(sql.SELECT_RUNS, (limit,))
         else:
             rows = await self.db.read(sql.SELECT_RUNS_BEFORE, (before, limit))
-        return [_run(r) for r in rows]
+        return [_run(r, listed=True) for r in rows]
+
+    async def get_runs(self, run_ids: Sequence[str]) -> dict[str, Run]:
+        rows = await self.db.read(sql.SELECT_RUNS_BY_ID, (orjson.dumps(list(run_ids)).decode(),))
+        return {r[0]: _run(r, listed=True) for r in rows}
+
+    async def schedule_runs(self, schedule: str) -> list[Run]:
+        rows = await self.db.read(sql.SELECT_SCHEDULE_RUNS, {"schedule": schedule},
+                                  listing=True)  # an exclusions read: off the hot reader
+        return [_run(r, listed=True) for r in rows]
 
     async def run_counts(self, run_id: str) -> dict[OpState, int]:
         rows = await self.db.read(sql.COUNT_RUN_STATES, (run_id,))
@@ -228,15 +240,19 @@ class SqliteLedger(outbox.OutboxMixin):
 
     async def list_operations(self, run_id: str, state: OpState | None, after: str | None,
                               limit: int) -> list[Operation]:
+        # The API's and the exclusions' pages: on the listing connection (see Database).
         if state is None:
-            rows = await self.db.read(sql.SELECT_OPERATIONS, (run_id, after or "", limit))
+            rows = await self.db.read(sql.SELECT_OPERATIONS, (run_id, after or "", limit),
+                                      listing=True)
         else:
             rows = await self.db.read(sql.SELECT_OPERATIONS_IN_STATE,
-                                      (run_id, state.value, after or "", limit))
+                                      (run_id, state.value, after or "", limit), listing=True)
         return [_op(r) for r in rows]
 
-    async def attempts(self, operation_id: str) -> list[Attempt]:
-        rows = await self.db.read(sql.SELECT_ATTEMPTS, (operation_id,))
+    async def attempts(self, operation_id: str, after: int = 0,
+                       limit: int | None = None) -> list[Attempt]:
+        rows = await self.db.read(sql.SELECT_ATTEMPTS,
+                                  (operation_id, -1 if limit is None else limit, after))
         return [Attempt(*r) for r in rows]
 
     async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
@@ -405,7 +421,8 @@ class SqliteLedger(outbox.OutboxMixin):
                 "clear": retry and not self._owns_queue, "id": s.operation_id}
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
-                              reason: str, detail: str, status: int | None = None) -> bool:
+                              reason: str, detail: str, status: int | None = None,
+                              probe_after_s: float | None = None) -> bool:
         """Record a probe's or an operator's finding and move the operation on it.
 
         Returns True when the operation was queued again and the transport (when it is
@@ -422,6 +439,8 @@ class SqliteLedger(outbox.OutboxMixin):
                                                      status, target.value, detail[:1000]))
             if target in SETTLED and target is not op.state:  # an inconclusive probe: none
                 await outbox.record_settled(conn, [operation_id], now)
+            if target is OpState.AMBIGUOUS and probe_after_s is not None:
+                await conn.execute(sql.PUT_OFF_PROBE, (now + probe_after_s, operation_id))
             if target is OpState.QUEUED:
                 await conn.execute(sql.REOPEN_RUN, (op.run_id,))
                 # Due now, with no live message until it is published (redrive's cue
@@ -438,7 +457,7 @@ class SqliteLedger(outbox.OutboxMixin):
         return target is OpState.QUEUED and not self._owns_queue
 
     async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
-        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, (settled_before, limit))
+        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, (settled_before, time.time(), limit))
         return [_op(r) for r in rows]
 
     async def operations_in_state(self, state: OpState, after: str | None,
@@ -472,9 +491,10 @@ class SqliteLedger(outbox.OutboxMixin):
     async def stats(self) -> LedgerStats:
         ambiguous = await self.db.read_one(sql.COUNT_AMBIGUOUS)
         row = await self.db.read_one(sql.SELECT_CURRENT_RUN)
-        current = _run(row) if row else None
+        current = _run(row, listed=True) if row else None
         current_counts = await self.run_counts(current.id) if current else {}
-        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0, current_run=current,
+        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0,
+                           inconclusive=ambiguous[1] if ambiguous else 0, current_run=current,
                            current_run_by_state=current_counts)
 
     async def load_budget(self, key: str) -> dict[str, Any] | None:

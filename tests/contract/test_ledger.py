@@ -15,6 +15,7 @@ tests/integration; PostgreSQL's replicas are in tests/integration/test_pg_queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -278,6 +279,53 @@ class TestLedgerContract:
         assert (got.id, got.tick_key, got.state) == (ids[1], "weekly@1", RunState.SCANNING)
         assert await ledger.get_run("run_nope") is None
         assert [r.id for r in await ledger.runs_to_scan()] == ids  # oldest first
+
+    async def test_list_reads_carry_the_source_kind_not_its_ids(self, backend: Backend) -> None:
+        """An inline run's source holds up to 10,000 IDs: only the scan reads them."""
+        ledger = backend.ledger
+        source = {"kind": "inline", "ids": [f"r-{i}" for i in range(1000)]}
+        opened = await ledger.open_run("weekly@1", "weekly", None, source, False)
+        assert opened.run is not None
+        assert opened.run.source == source
+        run_id = opened.run.id
+        full = await ledger.get_run(run_id)
+        assert full is not None
+        assert full.source == source
+        [scan] = await ledger.runs_to_scan()
+        assert scan.source == source
+        [listed] = await ledger.list_runs(10)
+        assert listed.source == {"kind": "inline"}
+        assert listed == dataclasses.replace(full, source={"kind": "inline"})
+        assert await ledger.get_runs([run_id, "run_nope"]) == {run_id: listed}
+        assert await ledger.get_runs([]) == {}
+        assert await ledger.schedule_runs("weekly") == [listed]
+        stats = await ledger.stats()
+        assert stats.current_run == listed
+        skipped = await ledger.open_run("weekly@2", "weekly", None, source, True)
+        assert skipped.skipped_for == listed
+
+    async def test_schedule_runs_are_its_newest_and_its_unfinished(self, backend: Backend) -> None:
+        ledger = backend.ledger
+        assert await ledger.schedule_runs("weekly") == []
+
+        async def finished(tick: str, schedule: str = "weekly") -> str:
+            run = await open_run(ledger, tick, schedule=schedule)
+            await ledger.record_page(run.id, [], None, 0)
+            assert await ledger.finish_runs() == [run.id]
+            return run.id
+
+        old = [await finished(f"weekly@{i}") for i in range(3)]
+        # Only the newest of the finished ones: the digest's current run.
+        assert [r.id for r in await ledger.schedule_runs("weekly")] == [old[-1]]
+        draining = await open_run(ledger, "weekly@d")
+        await ledger.record_page(draining.id, ["a"], None, 0)
+        newest = await open_run(ledger, "weekly@n")
+        other = await finished("daily@1", schedule="daily")
+        # Unfinished ones of the schedule, oldest first, then the newest; a finished one
+        # that is not the newest and another schedule's run are not among them.
+        assert [r.id for r in await ledger.schedule_runs("weekly")] == [draining.id, newest.id]
+        assert [r.id for r in await ledger.schedule_runs("daily")] == [other]
+        assert await ledger.schedule_runs("hourly") == []
 
     # -- discovery -------------------------------------------------------------------------
 
@@ -723,6 +771,35 @@ class TestLedgerContract:
         assert [op.id for op in await ledger.operations_in_state(OpState.AMBIGUOUS, None,
                                                                  10)] == [op_id]
         assert (await ledger.stats()).ambiguous == 1
+
+    async def test_an_inconclusive_probe_puts_the_next_one_off(self, backend: Backend) -> None:
+        ledger = backend.ledger
+        _, op_id = await self._ambiguous(backend)
+        assert (await ledger.stats()).inconclusive == 0
+        await ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
+                                     "inconclusive: probe HTTP 500", probe_after_s=600.0)
+        op = await operation(ledger, op_id)
+        assert op.due_at == pytest.approx(op.updated_at + 600.0)
+        assert await ledger.ambiguous_due(time.time() + 3600, 10) == []  # put off
+        assert ((await ledger.stats()).ambiguous, (await ledger.stats()).inconclusive) == (1, 1)
+        await ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
+                                     "inconclusive: probe HTTP 500", probe_after_s=0.0)
+        assert [o.id for o in await ledger.ambiguous_due(time.time() + 1, 10)] == [op_id]
+        await ledger.record_evidence(op_id, "operator", OpState.DELETED, "by hand", "ops: ok")
+        assert (await ledger.stats()).inconclusive == 0
+
+    async def test_attempts_are_paged_in_the_order_written(self, backend: Backend) -> None:
+        ledger = backend.ledger
+        _, op_id = await self._ambiguous(backend)
+        for i in range(5):
+            await ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
+                                         f"inconclusive {i}")
+        everything = await ledger.attempts(op_id)
+        assert [a.detail for a in everything][1:] == [f"inconclusive {i}" for i in range(5)]
+        assert await ledger.attempts(op_id, 0, 2) == everything[:2]
+        assert await ledger.attempts(op_id, 2, 2) == everything[2:4]
+        assert await ledger.attempts(op_id, 4, 10) == everything[4:]
+        assert await ledger.attempts(op_id, 6, 10) == []
 
     async def test_evidence_moves_an_ambiguous_operation(self, backend: Backend) -> None:
         ledger, queue = backend.ledger, backend.queue

@@ -184,6 +184,19 @@ probe_path = "/probe"
     ("[[limits.quota]]\nlimit = 1\nperiod_seconds = 60\n"
      "[[limits.quota]]\nlimit = 2\nperiod_seconds = 60",
      "limits.quota[1].name '60s' is used twice"),
+    # One rule for schedule names (L10): what the trigger and exclusions accept.
+    ('[schedule]\nname = "weekly digest"', "schedule.name must be 1 to 100 visible ASCII"),
+    ('[schedule]\nname = "w\u00f6chentlich"', "schedule.name must be 1 to 100 visible ASCII"),
+    ('[schedule]\nname = "a#b"', "schedule.name must be 1 to 100 visible ASCII"),
+    # The caps on reads held open (M7).
+    ("[api]\nmax_long_polls = 0", "api.max_long_polls must be > 0, got 0"),
+    ("[api]\nmax_long_polls = 10\nmax_long_polls_per_token = 11",
+     "api.max_long_polls_per_token must be <= api.max_long_polls, got 11 > 10"),
+    ("[api]\nmax_exclusion_reads_per_token = 33",
+     "api.max_exclusion_reads_per_token must be <= api.max_exclusion_reads, got 33 > 32"),
+    ("[api]\nmax_exclusion_reads = 2.5", "api.max_exclusion_reads must be an integer"),
+    # Matched whole (L7): a trailing newline is not part of an SQL identifier.
+    ('[ledger]\nschema = "cleanup\\n"', "ledger.schema must be a lower-case SQL identifier"),
 ])
 def test_single_problem(tmp_path: Path, toml: str, fragment: str) -> None:
     problems = problems_of(write(tmp_path, toml + "\n"), TOKEN_ENV)

@@ -335,6 +335,7 @@ FINISH_ATTEMPT = (
     "UPDATE attempts SET finished_at = ?, status = ?, outcome = ?, detail = ? "
     "WHERE id = ? AND outcome IS NULL"
 )
+SELECT_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE id = ? AND outcome IS NULL"
 # A redelivery found the last attempt unfinished: its outcome is unknown for good.
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = ?, outcome = 'unknown', "

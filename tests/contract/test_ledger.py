@@ -672,6 +672,49 @@ class TestLedgerContract:
         assert [(a.id, a.outcome) for a in await ledger.attempts(op_id)][1:] == [
             (second, None), (third, None)]
 
+    async def test_a_settlement_of_a_superseded_attempt_is_discarded(
+            self, backend: Backend) -> None:
+        """Attempt A is superseded by B (a second delivery after A's guard ran out); A's
+        late answer, whatever it is, changes nothing: the operation is B's. Even once B
+        has settled it, A's 5xx is no illegal move (DELETED -> RETRY_WAIT), just dropped."""
+        ledger, queue = backend.ledger, backend.queue
+        run = await discovered_run(backend, ["a", "b"])
+        d1, d2 = await queue.receive(2, 60)
+        ops = [d1.message.operation_id, d2.message.operation_id]
+        for d, op_id in zip((d1, d2), ops, strict=True):
+            a = await ledger.begin_attempt(op_id, "delete")
+            b = await ledger.begin_attempt(op_id, "delete", supersedes_open=True)
+            late = Settlement(op_id, OpState.DELETED, d, Disposition.ACK, attempt_id=a,
+                              status=204, outcome="deleted", detail="HTTP 204 (A)")
+            await ledger.settle([late])
+            op = await operation(ledger, op_id)
+            assert (op.state, op.attempts, op.unfinished_attempt) == (
+                OpState.IN_FLIGHT, 2, True)
+            assert [(x.id, x.outcome) for x in await ledger.attempts(op_id)] == [
+                (a, "unknown"), (b, None)]
+            await ledger.settle([Settlement(op_id, OpState.DELETED, d, Disposition.ACK,
+                                            attempt_id=b, status=204, outcome="deleted",
+                                            detail="HTTP 204 (B)")])
+            # A's second answer (a retried 5xx, say) after B settled: discarded too,
+            # alone and in a group with a settlement that does apply.
+            retry = Settlement(op_id, OpState.RETRY_WAIT, d, Disposition.RETRY, delay_s=5,
+                               attempt_id=a, status=503, outcome="transient")
+            await ledger.settle([retry])
+        await ledger.settle([retry, Settlement(ops[0], OpState.RETRY_WAIT, d1,
+                                               Disposition.RETRY, attempt_id=a,
+                                               outcome="transient")])
+        for op_id in ops:
+            op = await operation(ledger, op_id)
+            assert (op.state, op.attempts, op.unfinished_attempt) == (OpState.DELETED, 2, False)
+            assert [(x.outcome, x.detail) for x in await ledger.attempts(op_id)][1] == (
+                "deleted", "HTTP 204 (B)")
+        assert await ledger.run_counts(run.id) == {OpState.DELETED: 2}
+        assert ledger.healthy
+        # One settled event per operation: B's, not A's.
+        events = await ledger.events_after(0, 100)
+        assert sorted(e.operation_id for e in events if e.kind == "operation.settled") == \
+            sorted(ops)
+
     async def test_an_operation_in_flight_elsewhere_is_busy(self, backend: Backend) -> None:
         ledger, queue = backend.ledger, backend.queue
         await discovered_run(backend, ["a"])

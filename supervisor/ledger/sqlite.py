@@ -253,6 +253,24 @@ class SqliteLedger(outbox.OutboxMixin):
         # written, so this write needs no savepoint of its own.
         return await self.db.write(write, savepoint=False)
 
+    async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           busy_s: float) -> bool:
+        async def write(conn: aiosqlite.Connection) -> bool:
+            now = time.time()
+            cur = await conn.execute(sql.KEEP_ATTEMPT, {
+                "id": operation_id, "attempt": attempt_id, "owner": owner, "until": now,
+                "busy_until": now + busy_s})
+            return cur.rowcount == 1
+
+        return await self.db.write(write, savepoint=False)
+
+    async def owns_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           for_s: float) -> bool:
+        row = await self.db.read_one(sql.OWNS_ATTEMPT, {
+            "id": operation_id, "attempt": attempt_id, "owner": owner,
+            "until": time.time() + for_s})
+        return row is not None
+
     async def release_dead_owners(self) -> int:
         """Free every operation an attempt of a previous process holds in flight.
 

@@ -715,6 +715,41 @@ class TestLedgerContract:
         assert sorted(e.operation_id for e in events if e.kind == "operation.settled") == \
             sorted(ops)
 
+    async def test_an_attempt_is_owned_until_superseded_settled_or_its_hold_runs_out(
+            self, backend: Backend) -> None:
+        ledger, queue = backend.ledger, backend.queue
+        await discovered_run(backend, ["a", "b"])
+        d1, d2 = await queue.receive(2, 60)
+        op_id = d1.message.operation_id
+        a = await ledger.begin_attempt(op_id, "delete", owner="lease-1", busy_s=30)
+        assert await ledger.owns_attempt(op_id, a, "lease-1", 10)
+        assert not await ledger.owns_attempt(op_id, a, "lease-2", 10)  # not its owner
+        assert not await ledger.owns_attempt(op_id, a, "lease-1", 60)  # not held that long
+        assert not await ledger.keep_attempt(op_id, a, "lease-2", 120)
+        assert await ledger.keep_attempt(op_id, a, "lease-1", 120)
+        assert await ledger.owns_attempt(op_id, a, "lease-1", 60)
+        # Kept: another delivery still finds it busy.
+        with pytest.raises(OperationBusy) as info:
+            await ledger.begin_attempt(op_id, "delete", owner="lease-2", busy_s=30)
+        assert info.value.until > time.time() + 100
+        # The holder's own next attempt supersedes it: the first one is nobody's now.
+        b = await ledger.begin_attempt(op_id, "delete", owner="lease-1", busy_s=30,
+                                       supersedes_open=True)
+        assert not await ledger.owns_attempt(op_id, a, "lease-1", 0)
+        assert not await ledger.keep_attempt(op_id, a, "lease-1", 30)
+        assert await ledger.owns_attempt(op_id, b, "lease-1", 0)
+        await ledger.settle([Settlement(op_id, OpState.DELETED, d1, attempt_id=b,
+                                        outcome="deleted")])
+        assert not await ledger.owns_attempt(op_id, b, "lease-1", 0)
+        assert not await ledger.keep_attempt(op_id, b, "lease-1", 30)
+        # A hold that ran out is not kept, even for its owner: another may have passed it.
+        other = d2.message.operation_id
+        c = await ledger.begin_attempt(other, "delete", owner="lease-3", busy_s=0.01)
+        await asyncio.sleep(0.05)  # the hold is a deadline on a clock: let it pass
+        assert not await ledger.owns_attempt(other, c, "lease-3", 0)
+        assert not await ledger.keep_attempt(other, c, "lease-3", 30)
+        assert ledger.healthy
+
     async def test_an_operation_in_flight_elsewhere_is_busy(self, backend: Backend) -> None:
         ledger, queue = backend.ledger, backend.queue
         await discovered_run(backend, ["a"])

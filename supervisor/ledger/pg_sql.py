@@ -322,36 +322,41 @@ SELECT_ATTEMPTS = (
 )
 
 # the queue table
+# The queue table's times (available_at: a delay, or a lease's end) are on the database's
+# clock: parameters are delays and leases in seconds from its now.
 INSERT_MESSAGE = (
     "INSERT INTO messages (operation_id, run_id, recipient_id, available_at, enqueued_at) "
-    "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (operation_id) DO NOTHING"
+    f"VALUES ($1, $2, $3, {DB_NOW} + $4::double precision, $5) "
+    "ON CONFLICT (operation_id) DO NOTHING"
 )
 # SKIP LOCKED: replicas claiming at the same moment take different rows instead of
 # queueing behind one another's locks.
+# Parameters: the lease (seconds), its token, the holder, how many.
 CLAIM_MESSAGES = (
-    "UPDATE messages m SET available_at = $1, lease_token = $2, holder = $3, "
-    "receives = m.receives + 1 FROM (SELECT operation_id FROM messages "
-    "WHERE available_at <= $4 ORDER BY available_at LIMIT $5 FOR UPDATE SKIP LOCKED) c "
+    f"UPDATE messages m SET available_at = {DB_NOW} + $1::double precision, lease_token = $2,"
+    " holder = $3, receives = m.receives + 1 FROM (SELECT operation_id FROM messages "
+    f"WHERE available_at <= {DB_NOW} ORDER BY available_at LIMIT $4 FOR UPDATE SKIP LOCKED) c "
     "WHERE m.operation_id = c.operation_id "
     "RETURNING m.run_id, m.operation_id, m.recipient_id, m.receives"
 )
 DELETE_MESSAGE = "DELETE FROM messages WHERE operation_id = $1 AND lease_token = $2"
 RETRY_MESSAGE = (
-    "UPDATE messages SET available_at = $1, lease_token = NULL, holder = NULL "
-    "WHERE operation_id = $2 AND lease_token = $3"
+    f"UPDATE messages SET available_at = {DB_NOW} + $1::double precision, lease_token = NULL,"
+    " holder = NULL WHERE operation_id = $2 AND lease_token = $3"
 )
 EXTEND_MESSAGE = (
-    "UPDATE messages SET available_at = $1 WHERE operation_id = $2 AND lease_token = $3"
+    f"UPDATE messages SET available_at = {DB_NOW} + $1::double precision "
+    "WHERE operation_id = $2 AND lease_token = $3"
 )
+# Ages and waits as seconds from the database's now (a replica adds its own clock).
 QUEUE_STATS = (
-    "SELECT "
-    " COUNT(*) FILTER (WHERE available_at <= $1),"
-    " COUNT(*) FILTER (WHERE available_at > $1 AND lease_token IS NULL),"
-    " COUNT(*) FILTER (WHERE available_at > $1 AND lease_token IS NOT NULL),"
-    " MIN(available_at) FILTER (WHERE available_at <= $1) "
-    "FROM messages"
+    f"SELECT COUNT(*) FILTER (WHERE available_at <= n.t),"
+    " COUNT(*) FILTER (WHERE available_at > n.t AND lease_token IS NULL),"
+    " COUNT(*) FILTER (WHERE available_at > n.t AND lease_token IS NOT NULL),"
+    " n.t - MIN(available_at) FILTER (WHERE available_at <= n.t) "
+    f"FROM messages, (SELECT {DB_NOW} AS t) n GROUP BY n.t"
 )
-NEXT_AVAILABLE = "SELECT MIN(available_at) FROM messages"
+NEXT_AVAILABLE = f"SELECT MIN(available_at) - {DB_NOW} FROM messages"
 NOTIFY = "SELECT pg_notify($1, $2)"
 
 # the replica registry
@@ -374,7 +379,7 @@ END_ROLE_SESSIONS = (
     "WHERE pid = ANY($1::int[]) AND application_name = $2"
 )
 RELEASE_MESSAGES_OF = (
-    "UPDATE messages SET available_at = $2, lease_token = NULL, holder = NULL "
+    f"UPDATE messages SET available_at = {DB_NOW}, lease_token = NULL, holder = NULL "
     "WHERE holder = ANY($1::text[])"
 )
 RELEASE_GUARDS_OF = (

@@ -315,7 +315,7 @@ class PostgresLedger:
                         await conn.execute(sql.DELETE_MESSAGE, s.operation_id,
                                            s.delivery.receipt)
                     elif retry:
-                        await conn.execute(sql.RETRY_MESSAGE, now + s.delay_s,
+                        await conn.execute(sql.RETRY_MESSAGE, s.delay_s,
                                            s.operation_id, s.delivery.receipt)
             await self._record_settled(conn, settled, now)
 
@@ -346,7 +346,7 @@ class PostgresLedger:
                                    operation_id)
                 if self._owns_queue:
                     await conn.execute(sql.INSERT_MESSAGE, operation_id, op.run_id,
-                                       op.recipient_id, now, now)
+                                       op.recipient_id, 0.0, now)
                     await self.db.notify(conn, "queue")
 
         await self.db.write(write)

@@ -80,13 +80,16 @@ async def open_backend(name: str, tmp_path: Path, pg: Any) -> AsyncIterator[Back
     pgdb = PgDatabase(pg.dsn, pg.schema, "contract-replica")
     await pgdb.open(pg_sql.MIGRATIONS)
     roles = AdvisoryRoles(pg.dsn, pg.schema, 1.0)
+    membership = Membership(pgdb, LedgerConfig(), roles)
     try:
         # No attempt starts on a replica that is not registered and fresh: join first.
         # The fence is wide here (a slow test must not trip it); test_pg_queue.py has it.
-        await Membership(pgdb, LedgerConfig(), roles).join()
-        yield Backend(name, PostgresLedger(pgdb, owns_queue=owns_queue, fence_s=60.0),
+        await membership.join()
+        yield Backend(name, PostgresLedger(pgdb, owns_queue=owns_queue, fence_s=60.0,
+                                           dead_after_s=600.0),
                       PostgresQueue(pgdb) if owns_queue else None)
     finally:
+        await membership.close()
         await roles.close()
         await pgdb.close()
 

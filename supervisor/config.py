@@ -425,7 +425,24 @@ def _across(sections: Mapping[str, Any]) -> list[str]:
         # Each retry is a nack: Infrai would dead-letter a message still being retried.
         out.append(f"infrai.max_retries ({infrai.max_retries}) must be >= "
                    f"partner.max_attempts ({partner.max_attempts}) when infrai.nack_path is set")
+    out += _replica_timing(sections["ledger"], partner)
     return out
+
+
+def _replica_timing(ledger: LedgerConfig, partner: PartnerConfig) -> list[str]:
+    """A request must be over (by its own timeouts) before the replica sending it could be
+    declared dead, its work released and sent again by a peer: no request leaves unless
+    the replica's heartbeat is that fresh, and it is up to one period old at any time."""
+    if ledger.backend != "postgres":
+        return []
+    bound = (partner.connect_timeout_seconds + partner.request_timeout_seconds
+             + ledger.heartbeat_seconds)
+    if ledger.dead_after_seconds > bound:
+        return []
+    return [f"ledger.dead_after_seconds ({ledger.dead_after_seconds:g}) must exceed "
+            "partner.connect_timeout_seconds + partner.request_timeout_seconds + "
+            f"ledger.heartbeat_seconds ({bound:g}): a request must be over before its "
+            "replica's peers may declare it dead and send the operation again"]
 
 
 def _apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> list[str]:

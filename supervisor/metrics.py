@@ -25,6 +25,10 @@ QUEUE_DROPPED = Counter(
 QUEUE_DUPLICATES = Counter(
     "cleanup_queue_duplicate_deliveries",
     "Deliveries of a message this process already holds (left to their lease).")
+ATTEMPTS_NOT_SENT = Counter(
+    "cleanup_attempts_not_sent",
+    "Attempts written but not sent because they were no longer this worker's when their "
+    "token came (hold lost, superseded, replica fenced).")
 TRANSPORT_CALLS = Counter(
     "cleanup_transport_requests", "Calls to a managed queue's API, by call and result.",
     ["call", "result"])

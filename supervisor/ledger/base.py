@@ -233,9 +233,26 @@ class Ledger(Protocol):
         ``supersedes_open``: an earlier attempt may be unfinished; record it as unknown.
         """
 
+    async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           busy_s: float) -> bool:
+        """Hold the operation for ``busy_s`` more (from the ledger's clock's now) while
+        ``attempt_id`` waits to be sent: only while it is still the operation's open
+        attempt, held by ``owner``, and its hold has not run out (on PostgreSQL, and this
+        replica is registered as alive). False: the attempt is no longer ``owner``'s,
+        and its request must not be sent."""
+
+    async def owns_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           for_s: float) -> bool:
+        """The check right before a request leaves (a read): ``attempt_id`` is still the
+        operation's open attempt, held by ``owner`` for at least ``for_s`` more (and on
+        PostgreSQL this replica's heartbeat is fresh enough that no peer can declare it
+        dead within ``for_s``)."""
+
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         """Commit outcomes; return the settlements whose message the transport must still
-        ack or publish again (none when the queue lives in the ledger's own database)."""
+        ack or publish again (none when the queue lives in the ledger's own database).
+        An outcome for an attempt that is closed already (another delivery's attempt
+        superseded it) is discarded: that attempt owns the operation."""
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
                               reason: str, detail: str, status: int | None = None,

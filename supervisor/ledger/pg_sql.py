@@ -4,9 +4,11 @@ The same state changes as supervisor/ledger/sql.py (the SQLite ledger), in Postg
 dialect: ``$n`` parameters, GREATEST/LEAST, arrays instead of json_each, and what only
 several writers need: an owner (``holder``, a replica) on every lease and in-flight guard,
 claims with ``FOR UPDATE SKIP LOCKED``, NOTIFY on the writes other replicas wait for.
-Times are epoch seconds (double precision), as in the SQLite file; the replica registry
-alone uses the database's clock, so replicas on hosts with skewed clocks agree on who is
-dead.
+Times are epoch seconds (double precision), as in the SQLite file. What replicas compare
+with one another's writes uses the database's clock (``DB_NOW``), never a replica's own:
+the registry (who is dead), the queue table's leases and delays (``available_at``), and
+the in-flight guards (``busy_until``), so a replica whose clock is off can neither claim a
+lease a peer still holds nor pass a peer's guard.
 """
 
 from __future__ import annotations
@@ -233,7 +235,9 @@ SELECT_UNPUBLISHED = (
     "SELECT run_id, id, recipient_id FROM operations WHERE state = 'discovered' "
     "ORDER BY id LIMIT $1"
 )
-SELECT_OP_STATE = "SELECT state, attempts, owner, busy_until FROM operations WHERE id = $1"
+SELECT_OP_STATE = (
+    f"SELECT state, attempts, owner, busy_until, {DB_NOW} FROM operations WHERE id = $1"
+)
 RECORD_PUBLISHED = (
     "UPDATE operations SET message_id = $1, published_at = $2,"
     " due_at = GREATEST(COALESCE(due_at, 0), $3), leased_until = NULL, updated_at = $2,"
@@ -292,16 +296,37 @@ SELECT_OVERDUE = (
 @functools.cache
 def transition(target: OpState, guard_busy: bool) -> str:
     """The guarded state change (see supervisor/ledger/sql.py): parameters are target,
-    reason, count, now, owner, busy_until, id, holder; no row back means refused."""
+    reason, count, now, owner, busy_s (the hold, from the database's now; NULL for none),
+    id, holder; no row back means refused. The guard and the hold are on the database's
+    clock: every replica compares them with the same one."""
     # No predecessor (nothing moves back to discovered): PostgreSQL has no ``IN ()``.
     allowed = ", ".join(f"'{s.value}'" for s in sorted(states.predecessors(target))) or "NULL"
-    busy = (" AND (state != 'in_flight' OR busy_until IS NULL OR busy_until <= $4"
+    busy = (f" AND (state != 'in_flight' OR busy_until IS NULL OR busy_until <= {DB_NOW}"
             " OR owner = $5)") if guard_busy else ""
     return (
         "UPDATE operations SET state = $1, reason = COALESCE($2, reason), "
-        "attempts = attempts + $3, updated_at = $4, owner = $5, busy_until = $6, "
+        "attempts = attempts + $3, updated_at = $4, owner = $5, "
+        f"busy_until = {DB_NOW} + $6::double precision, "
         f"holder = $8 WHERE id = $7 AND state IN ({allowed}){busy} RETURNING attempts"
     )
+
+
+# The attempt still holds its operation in flight: open, ``owner``'s on this replica
+# (``holder``), its hold not run out, and the replica registered as alive. Parameters:
+# id, attempt, owner, holder, the hold's margin, the heartbeat's freshness.
+_OWNED = (
+    "o.id = $1 AND o.state = 'in_flight' AND o.owner = $3 AND o.holder = $4"
+    " AND EXISTS (SELECT 1 FROM attempts a WHERE a.id = $2 AND a.operation_id = $1"
+    " AND a.outcome IS NULL)"
+)
+OWNS_ATTEMPT = (
+    f"SELECT 1 FROM operations o WHERE {_OWNED} AND o.busy_until > {DB_NOW} + $5"
+    f" AND EXISTS (SELECT 1 FROM replicas r WHERE r.id = $4 AND r.heartbeat_at > {DB_NOW} - $6)"
+)
+KEEP_ATTEMPT = (
+    f"UPDATE operations o SET busy_until = {DB_NOW} + $5 WHERE {_OWNED}"
+    f" AND o.busy_until > {DB_NOW}"
+)
 
 
 SELECT_AMBIGUOUS_DUE = (
@@ -324,6 +349,14 @@ FINISH_ATTEMPT = (
     "UPDATE attempts SET finished_at = $1, status = $2, outcome = $3, detail = $4 "
     "WHERE id = $5 AND outcome IS NULL RETURNING id"
 )
+# The new attempt supersedes every open one (recorded as unknown), in one statement.
+SUPERSEDE_AND_INSERT_ATTEMPT = (
+    "WITH closed AS (UPDATE attempts SET finished_at = $4, outcome = 'unknown', "
+    "detail = 'no outcome recorded (process stopped or lease lost)' "
+    "WHERE operation_id = $1 AND outcome IS NULL) "
+    "INSERT INTO attempts (operation_id, n, kind, started_at) VALUES ($1, $2, $3, $4) "
+    "RETURNING id"
+)
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = $1, outcome = 'unknown', "
     "detail = 'no outcome recorded (process stopped or lease lost)' "
@@ -336,36 +369,41 @@ SELECT_ATTEMPTS = (
 )
 
 # the queue table
+# The queue table's times (available_at: a delay, or a lease's end) are on the database's
+# clock: parameters are delays and leases in seconds from its now.
 INSERT_MESSAGE = (
     "INSERT INTO messages (operation_id, run_id, recipient_id, available_at, enqueued_at) "
-    "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (operation_id) DO NOTHING"
+    f"VALUES ($1, $2, $3, {DB_NOW} + $4::double precision, $5) "
+    "ON CONFLICT (operation_id) DO NOTHING"
 )
 # SKIP LOCKED: replicas claiming at the same moment take different rows instead of
 # queueing behind one another's locks.
+# Parameters: the lease (seconds), its token, the holder, how many.
 CLAIM_MESSAGES = (
-    "UPDATE messages m SET available_at = $1, lease_token = $2, holder = $3, "
-    "receives = m.receives + 1 FROM (SELECT operation_id FROM messages "
-    "WHERE available_at <= $4 ORDER BY available_at LIMIT $5 FOR UPDATE SKIP LOCKED) c "
+    f"UPDATE messages m SET available_at = {DB_NOW} + $1::double precision, lease_token = $2,"
+    " holder = $3, receives = m.receives + 1 FROM (SELECT operation_id FROM messages "
+    f"WHERE available_at <= {DB_NOW} ORDER BY available_at LIMIT $4 FOR UPDATE SKIP LOCKED) c "
     "WHERE m.operation_id = c.operation_id "
     "RETURNING m.run_id, m.operation_id, m.recipient_id, m.receives"
 )
 DELETE_MESSAGE = "DELETE FROM messages WHERE operation_id = $1 AND lease_token = $2"
 RETRY_MESSAGE = (
-    "UPDATE messages SET available_at = $1, lease_token = NULL, holder = NULL "
-    "WHERE operation_id = $2 AND lease_token = $3"
+    f"UPDATE messages SET available_at = {DB_NOW} + $1::double precision, lease_token = NULL,"
+    " holder = NULL WHERE operation_id = $2 AND lease_token = $3"
 )
 EXTEND_MESSAGE = (
-    "UPDATE messages SET available_at = $1 WHERE operation_id = $2 AND lease_token = $3"
+    f"UPDATE messages SET available_at = {DB_NOW} + $1::double precision "
+    "WHERE operation_id = $2 AND lease_token = $3"
 )
+# Ages and waits as seconds from the database's now (a replica adds its own clock).
 QUEUE_STATS = (
-    "SELECT "
-    " COUNT(*) FILTER (WHERE available_at <= $1),"
-    " COUNT(*) FILTER (WHERE available_at > $1 AND lease_token IS NULL),"
-    " COUNT(*) FILTER (WHERE available_at > $1 AND lease_token IS NOT NULL),"
-    " MIN(available_at) FILTER (WHERE available_at <= $1) "
-    "FROM messages"
+    f"SELECT COUNT(*) FILTER (WHERE available_at <= n.t),"
+    " COUNT(*) FILTER (WHERE available_at > n.t AND lease_token IS NULL),"
+    " COUNT(*) FILTER (WHERE available_at > n.t AND lease_token IS NOT NULL),"
+    " n.t - MIN(available_at) FILTER (WHERE available_at <= n.t) "
+    f"FROM messages, (SELECT {DB_NOW} AS t) n GROUP BY n.t"
 )
-NEXT_AVAILABLE = "SELECT MIN(available_at) FROM messages"
+NEXT_AVAILABLE = f"SELECT MIN(available_at) - {DB_NOW} FROM messages"
 NOTIFY = "SELECT pg_notify($1, $2)"
 
 # the replica registry
@@ -388,7 +426,7 @@ END_ROLE_SESSIONS = (
     "WHERE pid = ANY($1::int[]) AND application_name = $2"
 )
 RELEASE_MESSAGES_OF = (
-    "UPDATE messages SET available_at = $2, lease_token = NULL, holder = NULL "
+    f"UPDATE messages SET available_at = {DB_NOW}, lease_token = NULL, holder = NULL "
     "WHERE holder = ANY($1::text[])"
 )
 RELEASE_GUARDS_OF = (

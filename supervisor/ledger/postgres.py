@@ -74,11 +74,15 @@ class PostgresLedger:
     """:class:`~supervisor.ledger.base.Ledger` and
     :class:`~supervisor.ledger.base.EventOutbox` on one :class:`PgDatabase`."""
 
-    def __init__(self, db: PgDatabase, owns_queue: bool, fence_s: float = 2.5) -> None:
+    def __init__(self, db: PgDatabase, owns_queue: bool, fence_s: float = 2.5,
+                 dead_after_s: float | None = None) -> None:
         self.db = db
         self._owns_queue = owns_queue
         # No attempt starts unless our heartbeat is this fresh (half of dead_after).
         self._fence_s = fence_s
+        # When peers declare a silent replica dead: no request leaves unless it is over
+        # (by its own timeouts) before our heartbeat could be that old.
+        self._dead_after_s = dead_after_s if dead_after_s is not None else 2 * fence_s
         self._events_lock = pg.lock_key(db.schema, "xact:events")
         self._open_lock = pg.lock_key(db.schema, "xact:open_run")
         self._finish_lock = pg.lock_key(db.schema, "xact:finish_runs")
@@ -267,12 +271,32 @@ class PostgresLedger:
             now = time.time()
             n = await _transition(conn, operation_id, OpState.IN_FLIGHT, None, count=1,
                                   now=now, owner=owner, holder=self.db.replica,
-                                  busy_until=now + busy_s if busy_s > 0 else None)
-            if supersedes_open:
-                await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, now, operation_id)
-            return int(await conn.fetchval(sql.INSERT_ATTEMPT, operation_id, n, kind, now))
+                                  busy_s=busy_s if busy_s > 0 else None)
+            insert = sql.SUPERSEDE_AND_INSERT_ATTEMPT if supersedes_open else sql.INSERT_ATTEMPT
+            return int(await conn.fetchval(insert, operation_id, n, kind, now))
 
         return await self.db.write(write)
+
+    async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           busy_s: float) -> bool:
+        async def write(conn: Conn) -> bool:
+            # Shared, like begin_attempt's: no peer reaps us while this commits.
+            if await conn.fetchval(sql.ALIVE, self.db.replica, self._fence_s) is None:
+                return False
+            status = await conn.execute(sql.KEEP_ATTEMPT, operation_id, attempt_id, owner,
+                                        self.db.replica, busy_s)
+            return bool(status == "UPDATE 1")
+
+        return await self.db.write(write)
+
+    async def owns_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           for_s: float) -> bool:
+        fresh_s = self._dead_after_s - for_s
+        if fresh_s <= 0:
+            return False  # no heartbeat is fresh enough (config refuses this)
+        row = await self.db.read_one(sql.OWNS_ATTEMPT, operation_id, attempt_id, owner,
+                                     self.db.replica, for_s, fresh_s)
+        return row is not None
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         async def write(conn: Conn) -> None:
@@ -307,7 +331,7 @@ class PostgresLedger:
                         await conn.execute(sql.DELETE_MESSAGE, s.operation_id,
                                            s.delivery.receipt)
                     elif retry:
-                        await conn.execute(sql.RETRY_MESSAGE, now + s.delay_s,
+                        await conn.execute(sql.RETRY_MESSAGE, s.delay_s,
                                            s.operation_id, s.delivery.receipt)
             await self._record_settled(conn, settled, now)
 
@@ -341,7 +365,7 @@ class PostgresLedger:
                                    operation_id)
                 if self._owns_queue:
                     await conn.execute(sql.INSERT_MESSAGE, operation_id, op.run_id,
-                                       op.recipient_id, now, now)
+                                       op.recipient_id, 0.0, now)
                     await self.db.notify(conn, "queue")
 
         await self.db.write(write)
@@ -444,19 +468,21 @@ class PostgresLedger:
 
 async def _transition(conn: Conn, operation_id: str, target: OpState, reason: str | None,
                       count: int, now: float, owner: str | None = None,
-                      holder: str | None = None, busy_until: float | None = None) -> int:
+                      holder: str | None = None, busy_s: float | None = None) -> int:
     """Move one operation to ``target`` in the caller's transaction; return its attempts.
+    ``busy_s``: hold it in flight that long, from the database's now.
     Raises (before anything is written) IllegalTransition, OperationBusy or KeyError."""
     n = await conn.fetchval(sql.transition(target, owner is not None), target.value, reason,
-                            count, now, owner, busy_until, operation_id, holder)
+                            count, now, owner, busy_s, operation_id, holder)
     if n is not None:
         return int(n)
     row = await conn.fetchrow(sql.SELECT_OP_STATE, operation_id)
     if row is None:
         raise KeyError(f"operation {operation_id} does not exist")
-    state, _, held_by, busy = row
-    if owner is not None and state == OpState.IN_FLIGHT.value and busy and busy > now \
+    state, _, held_by, busy, db_now = row
+    if owner is not None and state == OpState.IN_FLIGHT.value and busy and busy > db_now \
             and held_by != owner:
-        raise OperationBusy(operation_id, busy)
+        # The hold is on the database's clock; the caller waits on its own.
+        raise OperationBusy(operation_id, time.time() + (busy - db_now))
     states.check(operation_id, OpState(state), target)
     raise AssertionError(f"transition of {operation_id} refused for no known reason")

@@ -391,6 +391,15 @@ FINISH_ATTEMPT = (
     "UPDATE attempts SET finished_at = ?, status = ?, outcome = ?, detail = ? "
     "WHERE id = ? AND outcome IS NULL"
 )
+SELECT_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE id = ? AND outcome IS NULL"
+# The attempt is still the one holding the operation in flight, for long enough.
+_OWNED = (
+    "id = :id AND state = 'in_flight' AND owner = :owner AND busy_until > :until AND EXISTS ("
+    " SELECT 1 FROM attempts a WHERE a.id = :attempt AND a.operation_id = :id"
+    " AND a.outcome IS NULL)"
+)
+OWNS_ATTEMPT = f"SELECT 1 FROM operations WHERE {_OWNED}"
+KEEP_ATTEMPT = f"UPDATE operations SET busy_until = :busy_until WHERE {_OWNED}"
 # A redelivery found the last attempt unfinished: its outcome is unknown for good.
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = ?, outcome = 'unknown', "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import secrets
 import sqlite3
 import time
@@ -39,6 +40,8 @@ from supervisor.ledger.base import (
 from supervisor.ledger.database import Database
 from supervisor.queue.base import Delivery, Message, QueueStats
 from supervisor.states import SETTLED, OpState, RunState
+
+log = logging.getLogger(__name__)
 
 _last_ms = 0
 _seq = 0
@@ -270,6 +273,24 @@ class SqliteLedger(outbox.OutboxMixin):
         # written, so this write needs no savepoint of its own.
         return await self.db.write(write, savepoint=False)
 
+    async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           busy_s: float) -> bool:
+        async def write(conn: aiosqlite.Connection) -> bool:
+            now = time.time()
+            cur = await conn.execute(sql.KEEP_ATTEMPT, {
+                "id": operation_id, "attempt": attempt_id, "owner": owner, "until": now,
+                "busy_until": now + busy_s})
+            return cur.rowcount == 1
+
+        return await self.db.write(write, savepoint=False)
+
+    async def owns_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           for_s: float) -> bool:
+        row = await self.db.read_one(sql.OWNS_ATTEMPT, {
+            "id": operation_id, "attempt": attempt_id, "owner": owner,
+            "until": time.time() + for_s})
+        return row is not None
+
     async def release_dead_owners(self) -> int:
         """Free every operation an attempt of a previous process holds in flight.
 
@@ -362,6 +383,14 @@ class SqliteLedger(outbox.OutboxMixin):
     async def _settle_many(self, conn: aiosqlite.Connection,
                            settlements: Sequence[Settlement]) -> bool:
         now = time.time()
+        # First, so that an attempt another delivery has superseded (closed) is found
+        # before anything moves: the one-by-one path then discards just that outcome.
+        finishing = [(now, s.status, s.outcome, s.detail, s.attempt_id)
+                     for s in settlements if s.attempt_id is not None]
+        before = conn.total_changes
+        await conn.executemany(sql.FINISH_ATTEMPT, finishing)
+        if conn.total_changes - before != len(finishing):
+            return False
         by_target: dict[OpState, list[dict[str, Any]]] = {}
         for s in settlements:
             by_target.setdefault(s.target, []).append(
@@ -373,9 +402,6 @@ class SqliteLedger(outbox.OutboxMixin):
                                    params)
             if conn.total_changes - before != len(params):
                 return False
-        await conn.executemany(sql.FINISH_ATTEMPT, [
-            (now, s.status, s.outcome, s.detail, s.attempt_id)
-            for s in settlements if s.attempt_id is not None])
         await conn.executemany(sql.SETTLE_BOOKKEEPING,
                                [self._bookkeeping(s, now) for s in settlements])
         await conn.executemany(sql.DELETE_MESSAGE, [
@@ -391,9 +417,21 @@ class SqliteLedger(outbox.OutboxMixin):
     async def _settle_each(self, conn: aiosqlite.Connection,
                            settlements: Sequence[Settlement]) -> None:
         now = time.time()
+        settled: list[str] = []
         for s in settlements:
+            if s.attempt_id is not None and await _fetchone(
+                    conn, sql.SELECT_OPEN_ATTEMPT, (s.attempt_id,)) is None:
+                # Another delivery's attempt closed this one (its guard ran out, or the
+                # operation was held as ambiguous): that attempt owns the operation now,
+                # and writing this outcome over it could undo what it decides.
+                _superseded(s)
+                continue
+            # Read first, so the guarded transition is still the first write and raises
+            # before anything is written (no savepoint needed for one settlement).
             await _transition(conn, s.operation_id, s.target, s.reason,
                               count=-1 if s.refund_attempt else 0, now=now)
+            if s.target in SETTLED:
+                settled.append(s.operation_id)
             if s.attempt_id is not None:
                 await conn.execute(sql.FINISH_ATTEMPT, (now, s.status, s.outcome,
                                                         s.detail, s.attempt_id))
@@ -409,8 +447,7 @@ class SqliteLedger(outbox.OutboxMixin):
                 elif s.disposition is Disposition.RETRY:
                     await conn.execute(sql.RETRY_MESSAGE,
                                        (now + s.delay_s, s.operation_id, token))
-        await outbox.record_settled(
-            conn, [s.operation_id for s in settlements if s.target in SETTLED], now)
+        await outbox.record_settled(conn, settled, now)
 
     def _bookkeeping(self, s: Settlement, now: float) -> dict[str, Any]:
         retry = s.disposition is Disposition.RETRY
@@ -528,6 +565,12 @@ class SqliteLedger(outbox.OutboxMixin):
 
     async def close(self) -> None:
         await self.db.close()
+
+
+def _superseded(s: Settlement) -> None:
+    log.warning("operation %s: attempt %d was superseded by another delivery's; this "
+                "outcome (%s) is not recorded", s.operation_id, s.attempt_id, s.outcome,
+                extra={"action": "settlement_superseded"})
 
 
 def _batchable(s: Settlement) -> bool:

@@ -78,6 +78,7 @@ async def replicas(pg: Any, *names: str) -> AsyncIterator[list[Replica]]:
         yield opened
     finally:
         for r in opened:
+            await r.membership.close()
             await r.roles.close()
             await r.db.close()
 

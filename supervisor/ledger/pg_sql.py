@@ -251,9 +251,11 @@ RECORD_OUTBOX = (
 )
 # Returned with the count: how much longer the operation is held (an attempt's guard, a
 # retry not yet due), as this write saw it.
+# Guards and due times are the database's clock's (see the module docstring), and so is
+# how long they still hold.
 _HELD_S = (
-    "GREATEST(0, CASE state WHEN 'in_flight' THEN COALESCE(busy_until, 0) - $1"
-    " WHEN 'retry_wait' THEN COALESCE(due_at, 0) - $1 ELSE 0 END)"
+    f"GREATEST(0, CASE state WHEN 'in_flight' THEN COALESCE(busy_until, 0) - {DB_NOW}"
+    f" WHEN 'retry_wait' THEN COALESCE(due_at, 0) - {DB_NOW} ELSE 0 END)"
 )
 NOTE_RECEIVED = (
     "UPDATE operations SET receives = receives + 1, received_at = $1,"

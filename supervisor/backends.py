@@ -183,12 +183,14 @@ async def _open_postgres(c: Config) -> Backends:
         roles = AdvisoryRoles(dsn, c.ledger.schema, c.ledger.role_poll_seconds, replica)
         closers.append(roles.close)
         membership = Membership(db, c.ledger, roles)
+        closers.append(membership.close)  # its own connection, should the join fail
         await membership.join()
         closers.append(membership.leave)
         queue: Queue = (await _queue(c, closers) if c.queue.backend == "infrai"
                         else PostgresQueue(db))
         ledger = PostgresLedger(db, owns_queue=queue.capabilities.transactional_ack,
-                                fence_s=c.ledger.dead_after_seconds / 2)
+                                fence_s=c.ledger.dead_after_seconds / 2,
+                                dead_after_s=c.ledger.dead_after_seconds)
         budget = PostgresBudget(c.limits, key=c.partner.base_url, pool=db.pool, dsn=dsn,
                                 schema=c.ledger.schema,
                                 timeout_s=c.partner.request_timeout_seconds,

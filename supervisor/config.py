@@ -23,6 +23,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
 
+from supervisor.api_settings import ApiConfig
 from supervisor.authsettings import (
     StatusConfig,
     TriggerConfig,
@@ -35,6 +36,7 @@ from supervisor.errors import ConfigError
 from supervisor.events.settings import EventsConfig, resolve_sinks
 from supervisor.infrai.settings import InfraiConfig, resolve_push_secret
 from supervisor.ledger.settings import LedgerConfig
+from supervisor.tickrules import SCHEDULE_RULE, check_schedule
 
 ENV_PREFIX = "CLEANUP__"
 
@@ -120,8 +122,8 @@ class ScheduleConfig:
                        "the slot of each incoming tick")
         if self.digest_cutoff_seconds is not None and self.digest_cutoff_seconds <= 0:
             out.append(f"schedule.digest_cutoff_seconds must be > 0, got {self.digest_cutoff_seconds}")
-        if not self.name or len(self.name) > 100:
-            out.append("schedule.name must be 1 to 100 characters")
+        if check_schedule(self.name) is not None:
+            out.append(f"schedule.name must be {SCHEDULE_RULE}, got {self.name!r}")
         return out
 
 
@@ -200,6 +202,9 @@ class PartnerConfig:
     # Probe only this long after the ambiguous attempt, so a slow partner has finished.
     probe_settle_seconds: float = 30.0
     probe_interval_seconds: float = 10.0
+    # An inconclusive probe (neither present nor absent) puts the next one off: by
+    # probe_settle_seconds, then twice as long after each further one, up to this.
+    probe_backoff_max_seconds: float = 21600.0
     token_env: str = "CUSTOMER_API_TOKEN"
     token: Secret | None = None
     idempotency_keys: bool = True
@@ -214,8 +219,13 @@ class PartnerConfig:
     def problems(self) -> list[str]:
         out = _positive("partner", self, "connect_timeout_seconds", "request_timeout_seconds",
                         "probe_settle_seconds", "probe_interval_seconds",
+                        "probe_backoff_max_seconds",
                         "max_attempts", "backoff_initial_seconds", "backoff_max_seconds",
                         "max_retry_after_seconds")
+        if self.probe_backoff_max_seconds < self.probe_settle_seconds:
+            out.append(f"partner.probe_backoff_max_seconds must be >= "
+                       f"partner.probe_settle_seconds, got {self.probe_backoff_max_seconds:g} "
+                       f"< {self.probe_settle_seconds:g}")
         if urlsplit(self.base_url).scheme not in ("http", "https"):
             out.append(f"partner.base_url must be an http(s) URL, got {self.base_url!r}")
         if "{recipient_id}" not in self.delete_path:
@@ -322,6 +332,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     status: StatusConfig = field(default_factory=StatusConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
 
     @property
     def ledger_path(self) -> Path:
@@ -414,7 +425,24 @@ def _across(sections: Mapping[str, Any]) -> list[str]:
         # Each retry is a nack: Infrai would dead-letter a message still being retried.
         out.append(f"infrai.max_retries ({infrai.max_retries}) must be >= "
                    f"partner.max_attempts ({partner.max_attempts}) when infrai.nack_path is set")
+    out += _replica_timing(sections["ledger"], partner)
     return out
+
+
+def _replica_timing(ledger: LedgerConfig, partner: PartnerConfig) -> list[str]:
+    """A request must be over (by its own timeouts) before the replica sending it could be
+    declared dead, its work released and sent again by a peer: no request leaves unless
+    the replica's heartbeat is that fresh, and it is up to one period old at any time."""
+    if ledger.backend != "postgres":
+        return []
+    bound = (partner.connect_timeout_seconds + partner.request_timeout_seconds
+             + ledger.heartbeat_seconds)
+    if ledger.dead_after_seconds > bound:
+        return []
+    return [f"ledger.dead_after_seconds ({ledger.dead_after_seconds:g}) must exceed "
+            "partner.connect_timeout_seconds + partner.request_timeout_seconds + "
+            f"ledger.heartbeat_seconds ({bound:g}): a request must be over before its "
+            "replica's peers may declare it dead and send the operation again"]
 
 
 def _apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> list[str]:

@@ -15,6 +15,7 @@ from supervisor import metrics
 from supervisor.budget.base import Feedback, Outcome, RateBudget
 from supervisor.config import Config
 from supervisor.errors import (
+    IllegalTransition,
     OperationBusy,
     QueueBlocked,
     QueueError,
@@ -22,6 +23,7 @@ from supervisor.errors import (
     StorageError,
 )
 from supervisor.ledger.base import Disposition, Ledger, Operation, Received, Settlement
+from supervisor.ownership import BUSY_SLACK_S, Ownership
 from supervisor.partner import Answer, PartnerClient, Verdict
 from supervisor.push import PushedQueue, PushOutcome
 from supervisor.queue.base import Delivery, Queue
@@ -38,6 +40,8 @@ IDLE_POLL_MAX_S = 30.0
 BLOCKED_RETRY_S = (5.0, 60.0)
 MANAGED_PREFETCH = 10
 FRONTIER_SAMPLES = 4096
+# An attempt that lost its hold before it was sent is tried again this much later.
+LOST_RETRY_S = 1.0
 
 
 _NOT_SENT = Answer(Verdict.TRANSIENT, None, "not sent: shutdown before the request left")
@@ -95,9 +99,13 @@ class ConsumerPool:
         self._empty_at = 0.0
         self._fetcher: asyncio.Task[None] | None = None
         self._extender: asyncio.Task[None] | None = None
-        # How long an attempt may hold its operation: the request's own bound, plus slack.
-        self._busy_s = (config.partner.connect_timeout_seconds
-                        + config.partner.request_timeout_seconds + 5.0)
+        # How long a request may take by its own timeouts: the hold it needs once it left.
+        self._cover_s = (config.partner.connect_timeout_seconds
+                         + config.partner.request_timeout_seconds)
+        # How long an attempt holds its operation: the request's own bound, plus slack;
+        # renewed every half slack while it waits for its token, so it never runs out.
+        self._busy_s = self._cover_s + BUSY_SLACK_S
+        self._owned = Ownership(ledger, budget, cover_s=self._cover_s, slack_s=BUSY_SLACK_S)
 
     async def run(self) -> None:
         self._stopping.clear()
@@ -462,40 +470,68 @@ class ConsumerPool:
                 await asyncio.shield(self.courier.hand_back(delivery))
                 return
             self._phases[task] = Phase.WAITING
-            # A pause or a spent quota is waited out before the attempt is written, so a
-            # long hold never leaves an attempt open.
+            # A pause or a spent quota, and then a concurrency slot, are waited out before
+            # the attempt is written: no attempt is open while its worker waits for them.
             if not await self._ready_within_lease(delivery):
                 # The message would become visible again while we wait: publish it again
                 # for when the hold ends, and let this worker go.
                 await self._defer(delivery, self.budget.snapshot().held_for(time.time()))
                 return
-            # Writing the attempt is not cut short by a shutdown (it may commit all the
-            # same); the wait for the token after it is, and closes the attempt unsent.
-            self._phases[task] = Phase.SENDING
+            admission = await self.budget.admit()
             try:
-                attempt_id = await self.ledger.begin_attempt(
-                    op.id, "delete", owner=delivery.receipt, busy_s=self._busy_s,
-                    supersedes_open=op.unfinished_attempt)
-            except OperationBusy as exc:
-                # A second delivery of an operation another worker has in the air (its
-                # lease expired while it waited): come back when that attempt is over,
-                # or, without nack, when this copy's lease ends (the holder acks it).
-                metrics.QUEUE_DUPLICATES.inc()
-                if self.caps.nack:
-                    await self.courier.retry_later(delivery, max(0.0, exc.until - time.time()))
-                return
-            attempts += 1
-            self._phases[task] = Phase.WAITING
-            try:
-                # The token is the last wait before the request leaves: its timing, not a
-                # ledger commit's, is what the partner's limiter sees.
-                grant = await self.budget.acquire()
-            except asyncio.CancelledError:
-                # Shutdown before the request left: the attempt was written, never sent.
-                # The worker hands the message back as it unwinds.
+                # Writing the attempt is not cut short by a shutdown (it may commit all
+                # the same); the wait for the token after it is, and closes it unsent.
+                self._phases[task] = Phase.SENDING
+                try:
+                    # Superseding whatever is open: an attempt whose hold ran out is no
+                    # one's, even if this delivery read the operation before it began.
+                    attempt_id = await self.ledger.begin_attempt(
+                        op.id, "delete", owner=delivery.receipt, busy_s=self._busy_s,
+                        supersedes_open=True)
+                except OperationBusy as exc:
+                    # A second delivery of an operation another worker has in the air:
+                    # come back when that attempt is over, or, without nack, when this
+                    # copy's lease ends (the holder acks it).
+                    metrics.QUEUE_DUPLICATES.inc()
+                    if self.caps.nack:
+                        await self.courier.retry_later(delivery,
+                                                       max(0.0, exc.until - time.time()))
+                    return
+                except IllegalTransition:
+                    # Another delivery settled it while this one waited for its slot.
+                    current = await self.ledger.get_operation(op.id)
+                    if current is None or current.state not in SETTLED:
+                        raise
+                    metrics.QUEUE_DUPLICATES.inc()
+                    await self.courier.drop(delivery, "settled")
+                    return
+                attempts += 1
+                self._phases[task] = Phase.WAITING
+                try:
+                    grant, lost = await self._owned.token(admission, delivery.receipt, op.id,
+                                                          attempt_id)
+                except asyncio.CancelledError:
+                    # Shutdown before the request left: the attempt was written, never
+                    # sent. The worker hands the message back as it unwinds.
+                    await self._settle(delivery, op, OpState.RETRY_WAIT, None, attempt_id,
+                                       _NOT_SENT, disposition=Disposition.KEEP, refund=True)
+                    raise
+            finally:
+                self.budget.withdraw(admission)  # nothing once the token wait spent it
+            if grant is None:
+                # Nothing was sent: close the attempt unsent. A hold that began after it
+                # was written is waited out without one; an attempt no longer this
+                # delivery's (its hold lost, superseded) is left to whoever holds it
+                # (the ledger discards this outcome then) or tried again shortly.
+                why = lost or "a hold began before the request left"
                 await self._settle(delivery, op, OpState.RETRY_WAIT, None, attempt_id,
-                                   _NOT_SENT, disposition=Disposition.KEEP, refund=True)
-                raise
+                                   Answer(Verdict.TRANSIENT, None, f"not sent: {why}"),
+                                   disposition=Disposition.RETRY if lost else Disposition.KEEP,
+                                   delay_s=LOST_RETRY_S if lost else 0.0, refund=True)
+                if lost:
+                    return
+                attempts -= 1
+                continue
             # From here on a request is in the air: a shutdown lets it finish within the
             # grace instead of leaving an open attempt.
             self._phases[task] = Phase.SENDING

@@ -7,9 +7,9 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -31,11 +31,13 @@ from supervisor.errors import IllegalTransition, StorageError
 from supervisor.ledger.base import Ledger, LedgerStats, Operation, Run
 from supervisor.openapi import PRINTABLE, TICK_KEY, document_for
 from supervisor.push import PushReceiver, PushRejected, answer_body, parse_delivery, verify
+from supervisor.readcaps import RETRY_AFTER_S, CapReached, ReadCap, holder_of
 from supervisor.reconcile import RESOLUTIONS, Reconciler
-from supervisor.runs import Broadcast, RunOpener, Tick
+from supervisor.runs import RunOpener, RunWatch, Tick
 from supervisor.sources import check_recipient_id
 from supervisor.states import SETTLED, OpState, RunState
 from supervisor.status import add_status_routes
+from supervisor.tickrules import check_schedule, parse_slot
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class ApiState:
     opener: RunOpener
     reconciler: Reconciler
     ready: Callable[[], tuple[bool, dict[str, bool]]]
-    runs_changed: Broadcast
+    runs_changed: RunWatch
     current_rate: Callable[[], float]
     # When n more requests will have been sent (the budget's view: rate, a pause in force,
     # quotas); None: n / current_rate.
@@ -68,6 +70,16 @@ class ApiState:
     push: PushReceiver | None = None
     # The rate budget, for GET /v1/budget and its resume (supervisor/budget_api.py).
     budget: RateBudget | None = None
+    long_polls: ReadCap = field(init=False)
+    exclusion_reads: ReadCap = field(init=False)
+    # One exclusions page read at a time (supervisor/exclusions.py batches).
+    exclusion_pages: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        s = self.config.api
+        self.long_polls = ReadCap("long_poll", s.max_long_polls, s.max_long_polls_per_token)
+        self.exclusion_reads = ReadCap("exclusions", s.max_exclusion_reads,
+                                       s.max_exclusion_reads_per_token)
 
 
 API = web.AppKey("api", ApiState)
@@ -131,7 +143,7 @@ def _authorize(request: web.Request, read_only: bool = False) -> Role:
     return authorize(request, Scope.READ if read_only else Scope.OPERATE)
 
 
-def run_view(run: Run, counts: dict[OpState, int] | None = None,
+def run_view(run: Run, counts: Mapping[OpState, int] | None = None,
              rate: float | None = None,
              projected_finish: Callable[[int, float], float] | None = None) -> dict[str, Any]:
     view: dict[str, Any] = {
@@ -163,25 +175,10 @@ def op_view(op: Operation) -> dict[str, Any]:
 
 
 def _parse_slot(value: Any) -> datetime:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        try:
-            return datetime.fromtimestamp(value, UTC)
-        except (OverflowError, OSError, ValueError):
-            raise ApiError(400, "scheduled_for is out of range") from None
-    if isinstance(value, str):
-        try:
-            slot = datetime.fromisoformat(value)
-        except ValueError:
-            raise ApiError(400, "scheduled_for must be an ISO 8601 time or a Unix time") from None
-        if slot.tzinfo is None:
-            raise ApiError(400, "scheduled_for must carry a UTC offset")
-        try:
-            # The tick key and the ledger use the UTC instant: it must exist (year 1..9999).
-            slot.astimezone(UTC).timestamp()
-        except (OverflowError, OSError, ValueError):
-            raise ApiError(400, "scheduled_for is out of range") from None
-        return slot
-    raise ApiError(400, "scheduled_for must be an ISO 8601 time or a Unix time")
+    try:
+        return parse_slot(value)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -207,9 +204,8 @@ async def _tick_from(request: web.Request) -> Tick:
     if unknown:
         raise ApiError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
     schedule = doc.get("schedule", config.schedule.name)
-    if not isinstance(schedule, str) or not 0 < len(schedule) <= 100 or \
-            check_recipient_id(schedule) is not None:
-        raise ApiError(400, "schedule must be a string of 1 to 100 printable characters")
+    if (problem := check_schedule(schedule)) is not None:
+        raise ApiError(400, problem)
     slot = _parse_slot(doc["scheduled_for"]) if "scheduled_for" in doc else None
     ids = doc.get("recipient_ids")
     if ids is not None and config.source.kind != "inline":
@@ -288,6 +284,17 @@ def _done(run: Run) -> bool:
     return run.state is RunState.DONE
 
 
+def _busy(exc: CapReached) -> web.Response:
+    """A read refused at its cap: 429, and when to ask again."""
+    response = _error(429, str(exc))
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+def _holder(request: web.Request) -> str:
+    return holder_of(request.headers.get("Authorization", ""))
+
+
 async def get_run(request: web.Request) -> web.Response:
     _authorize(request, read_only=True)
     api = request.app[API]
@@ -296,27 +303,32 @@ async def get_run(request: web.Request) -> web.Response:
     if wait not in (None, "done"):
         raise ApiError(400, "wait must be 'done'")
     timeout = float(_int_param(request, "timeout", 30, 0, int(MAX_WAIT_S)))
-    run = await api.ledger.get_run(run_id)
+    run = (await api.ledger.get_runs([run_id])).get(run_id)
     if run is None:
         raise ApiError(404, f"no run {run_id}")
+    counts: Mapping[OpState, int] | None = None
     if wait == "done" and not _done(run) and api.accepting:
-        # Long-poll: woken by the monitor whenever runs change, not by a sleep loop, and
-        # by the start of a drain: a waiting client must not hold the process past its
-        # grace period (it gets a 503 with the run as it stands, below).
-        deadline = time.monotonic() + timeout
-        while True:
-            changed = api.runs_changed.event()  # before the read: a later change sets it
-            current = await api.ledger.get_run(run_id)
-            if current is None:
-                raise ApiError(404, f"no run {run_id}")
-            run = current
-            remaining = deadline - time.monotonic()
-            if _done(run) or not api.accepting or remaining <= 0:
-                break
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await changed.wait()
-    counts = await api.ledger.run_counts(run_id)
+        # Long-poll: answered from the monitor's own read of the run (one per pass for
+        # every waiter on it), woken whenever it has read, and by the start of a drain:
+        # a waiting client must not hold the process past its grace period (it gets a
+        # 503 with the run as it stands, below).
+        try:
+            with api.long_polls.hold(_holder(request)), api.runs_changed.watch(run_id):
+                deadline = time.monotonic() + timeout
+                while True:
+                    changed = api.runs_changed.event()  # before looking: a later read sets it
+                    if (seen := api.runs_changed.seen(run_id)) is not None:
+                        run, counts = seen.run, seen.counts
+                    remaining = deadline - time.monotonic()
+                    if _done(run) or not api.accepting or remaining <= 0:
+                        break
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(remaining):
+                            await changed.wait()
+        except CapReached as exc:
+            return _busy(exc)
+    if counts is None:  # not waited, or answered before the monitor's first read of it
+        counts = await api.ledger.run_counts(run_id)
     view = run_view(run, counts, api.current_rate(), api.projected_finish)
     if wait == "done" and not _done(run) and not api.accepting:
         # A wait this process can no longer honour: said so, with when to ask again (of
@@ -348,11 +360,16 @@ async def get_operation(request: web.Request) -> web.Response:
     op = await api.ledger.get_operation(op_id)
     if op is None:
         raise ApiError(404, f"no operation {op_id}")
-    attempts = await api.ledger.attempts(op_id)
+    # Paged: an operation probed for weeks has hundreds of rows (issue 17, L3).
+    limit = _int_param(request, "attempts_limit", 100, 1, MAX_PAGE)
+    after = _int_param(request, "attempts_after", 0, 0, 2**31 - 1)
+    attempts = await api.ledger.attempts(op_id, after, limit + 1)
     view = op_view(op)
     view["attempts_log"] = [
         {"n": a.n, "kind": a.kind, "started_at": a.started_at, "finished_at": a.finished_at,
-         "status": a.status, "outcome": a.outcome, "detail": a.detail} for a in attempts]
+         "status": a.status, "outcome": a.outcome, "detail": a.detail}
+        for a in attempts[:limit]]
+    view["attempts_next"] = str(after + limit) if len(attempts) > limit else None
     return _json(view)
 
 
@@ -427,8 +444,8 @@ async def get_exclusions(request: web.Request) -> web.StreamResponse:
     _authorize(request, read_only=True)
     api = request.app[API]
     schedule = request.query.get("schedule", api.config.schedule.name)
-    if not exclusions.SCHEDULE.fullmatch(schedule):
-        raise ApiError(400, "schedule must be 1 to 100 visible ASCII characters")
+    if (problem := check_schedule(schedule)) is not None:
+        raise ApiError(400, problem)
     fmt = request.query.get("format")
     if fmt not in (None, "json", "jsonl"):
         raise ApiError(400, "format must be 'json' or 'jsonl'")
@@ -436,6 +453,16 @@ async def get_exclusions(request: web.Request) -> web.StreamResponse:
     jsonl = fmt == "jsonl" or (fmt is None and exclusions.JSONL in accept)
     limit = _int_param(request, "limit", 1000, 1, MAX_PAGE)
     after_id = _cursor_param(request)
+    try:
+        with api.exclusion_reads.hold(_holder(request)):
+            return await _exclusions(request, schedule, jsonl, limit, after_id)
+    except CapReached as exc:
+        return _busy(exc)
+
+
+async def _exclusions(request: web.Request, schedule: str, jsonl: bool, limit: int,
+                      after_id: str | None) -> web.StreamResponse:
+    api = request.app[API]
     runs = await exclusions.current_runs(api.ledger, schedule)
     if not runs:
         raise ApiError(404, f"no run of schedule {schedule!r}")
@@ -449,8 +476,10 @@ async def get_exclusions(request: web.Request) -> web.StreamResponse:
             raise ApiError(409, "the schedule's current runs changed since the first page; "
                                 "start again without after")
     if jsonl:  # ``after``: resume a stream that was cut, after its last line
-        return await exclusions.stream(request, api.ledger, runs, cutoff, after)
-    rows, next_after = await exclusions.page(api.ledger, runs, after, limit)
+        return await exclusions.stream(request, api.ledger, runs, cutoff, after,
+                                       api.exclusion_pages)
+    rows, next_after = await exclusions.page(api.ledger, runs, after, limit,
+                                             api.exclusion_pages)
     return _json({"schedule": schedule,
                   "runs": [exclusions.run_header(run, cutoff) for run in runs],
                   "exclusions": [exclusions.record(op) for op in rows],

@@ -25,6 +25,10 @@ QUEUE_DROPPED = Counter(
 QUEUE_DUPLICATES = Counter(
     "cleanup_queue_duplicate_deliveries",
     "Deliveries of a message this process already holds (left to their lease).")
+ATTEMPTS_NOT_SENT = Counter(
+    "cleanup_attempts_not_sent",
+    "Attempts written but not sent because they were no longer this worker's when their "
+    "token came (hold lost, superseded, replica fenced).")
 TRANSPORT_CALLS = Counter(
     "cleanup_transport_requests", "Calls to a managed queue's API, by call and result.",
     ["call", "result"])
@@ -98,6 +102,10 @@ DIGEST_CUTOFF = Gauge(
     "cleanup_digest_cutoff_timestamp_seconds",
     "When the current run must be drained by (schedule.digest_cutoff_seconds); 0 when unset.")
 AMBIGUOUS = Gauge("cleanup_ambiguous_operations", "Operations waiting for reconciliation.")
+INCONCLUSIVE = Gauge(
+    "cleanup_reconcile_inconclusive_operations",
+    "Ambiguous operations whose last probe was inconclusive: each is probed again later and "
+    "later (capped), and may need an operator's decision.")
 REDRIVEN = Counter(
     "cleanup_redriven_operations", "Unfinished operations found without a message and published again.")
 PROBES = Counter("cleanup_probes", "Reconciliation probes, by finding.", ["finding"])
@@ -106,6 +114,14 @@ SCAN_SKIPPED = Counter(
     "cleanup_scan_skipped_candidates", "Candidates rejected as malformed.", ["reason"])
 LAST_TICK = Gauge("cleanup_last_tick_timestamp_seconds", "Unix time of the last run opened.")
 TICKS = Counter("cleanup_ticks", "Ticks received, by result.", ["result"])
+
+READS_HELD = Gauge(
+    "cleanup_api_held_reads",
+    "Reads a client holds open now: long-polls (?wait=done) and exclusions reads.", ["kind"])
+READS_REFUSED = Counter(
+    "cleanup_api_refused_reads",
+    "Long-polls and exclusions reads answered 429 at a cap (in total or per token).",
+    ["kind", "cap"])
 
 COMPONENT_RESTARTS = Counter(
     "cleanup_component_restarts", "Components restarted after a crash.", ["component"])

@@ -14,7 +14,7 @@ from supervisor.errors import StorageError
 from supervisor.exclusions import count_by_reason
 from supervisor.ledger.base import Ledger, LedgerStats
 from supervisor.queue.base import Queue
-from supervisor.runs import Broadcast
+from supervisor.runs import RunSeen, RunWatch
 from supervisor.states import SETTLED, TERMINAL, RunState
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class Monitor:
     """Wakes on every settlement (at most every 100 ms) and at least once a second."""
 
     def __init__(self, ledger: Ledger, queue: Queue, budget: RateBudget,
-                 runs_changed: Broadcast, digest_cutoff_s: float | None = None,
+                 runs_changed: RunWatch, digest_cutoff_s: float | None = None,
                  finishes: Callable[[], bool] = lambda: True,
                  settled: asyncio.Event | None = None, finish_every_s: float = REFRESH_S,
                  readiness: Callable[[], object] = lambda: None) -> None:
@@ -74,11 +74,36 @@ class Monitor:
                     # What this run learnt about the partner is where the next one starts.
                     with contextlib.suppress(StorageError):
                         await self.budget.save()
+                with contextlib.suppress(StorageError):  # waiters keep the last view
+                    await self.read_watched()
                 self.runs_changed.notify()
             if time.monotonic() - last_refresh >= REFRESH_S:
                 last_refresh = time.monotonic()
                 await self.refresh()
             await asyncio.sleep(0.1)  # coalesce bursts of settlements into one pass
+
+    async def read_watched(self) -> None:
+        """Read the runs long-polls wait on, for all their waiters: each run's row (one
+        indexed read for all of them) every pass, its counts when its state changed or
+        a second after the last count (the current run's come from the count below)."""
+        ids = self.runs_changed.watched()
+        if not ids:
+            return
+        runs = await self.ledger.get_runs(ids)
+        stats, now = self.last_stats, time.monotonic()
+        seen: dict[str, RunSeen] = {}
+        for run_id, run in runs.items():
+            before = self.runs_changed.seen(run_id)
+            if before is not None and before.run.state is run.state and \
+                    now - before.counted_at < REFRESH_S:
+                seen[run_id] = RunSeen(run, before.counts, before.counted_at)
+            elif stats is not None and stats.current_run is not None and \
+                    stats.current_run.id == run_id and stats.current_run.state is run.state \
+                    and now - self._counted_at < REFRESH_S:
+                seen[run_id] = RunSeen(run, stats.current_run_by_state, self._counted_at)
+            else:
+                seen[run_id] = RunSeen(run, await self.ledger.run_counts(run_id), now)
+        self.runs_changed.publish(seen)
 
     def _count_paused(self, paused_until: float) -> None:
         """Add the time since the last refresh that the pause seen then covered. A pause
@@ -111,6 +136,7 @@ class Monitor:
         metrics.QUEUE_OLDEST_AGE.set(q.oldest_claimable_age_s)
         s = self.last_stats = await self.ledger.stats()
         metrics.AMBIGUOUS.set(s.ambiguous)
+        metrics.INCONCLUSIVE.set(s.inconclusive)
         run = s.current_run
         if run is None:
             return

@@ -13,14 +13,14 @@ from typing import Any
 from supervisor import __version__
 from supervisor.exclusions import REASONS
 from supervisor.states import OpState, RunState
+from supervisor.tickrules import SCHEDULE_NAME
+from supervisor.tickrules import TICK_KEY as TICK_KEY  # the webhook's header rule, named here too
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 # What supervisor.sources.check_recipient_id accepts: no control characters, and not
 # only whitespace. (Lone surrogates cannot arrive: the JSON parser refuses them.)
 _CHARS = r"[^\x00-\x1f\x7f-\x9f]"
 PRINTABLE = rf"^{_CHARS}*[^\s\x00-\x1f\x7f-\x9f]{_CHARS}*$"
-# Idempotency-Key of a tick: visible ASCII only, as HTTP header values travel safely.
-TICK_KEY = r"^[!-~]{1,200}$"
 
 
 def _errors(*codes: int) -> dict[str, Any]:
@@ -34,6 +34,13 @@ def _errors(*codes: int) -> dict[str, Any]:
         codes = tuple(sorted({*codes, 403, 429}))
     return {str(c): {"description": text[c],
                      "content": {"application/json": {"schema": _ERROR}}} for c in codes}
+
+
+# A read held open past its cap (service.max_long_polls, max_exclusion_reads).
+_BUSY = {"429": {"description": "too many held open, in all or for this token: ask again "
+                                "after Retry-After",
+                 "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+                 "content": {"application/json": {"schema": _ERROR}}}}
 
 
 def _ok(description: str, schema: dict[str, Any], status: str = "200") -> dict[str, Any]:
@@ -97,7 +104,7 @@ DOCUMENT: dict[str, Any] = {
                     {"name": "timeout", "in": "query",
                      "schema": {"type": "integer", "minimum": 0, "maximum": 60}}],
                 "responses": {**_ok("the run", {"$ref": "#/components/schemas/Run"}),
-                              **_errors(400, 401, 404, 503)},
+                              **_errors(400, 401, 404, 503), **_BUSY},
             },
         },
         "/v1/runs/{run_id}/operations": {
@@ -117,7 +124,7 @@ DOCUMENT: dict[str, Any] = {
                            "with the reason the digest must exclude it",
                 "parameters": [
                     {"name": "schedule", "in": "query",
-                     "schema": {"type": "string", "pattern": "^[!-~]{1,100}$"}},
+                     "schema": {"type": "string", "pattern": SCHEDULE_NAME}},
                     {"name": "format", "in": "query", "description": "jsonl: stream them all",
                      "schema": {"type": "string", "enum": ["json", "jsonl"]}},
                     *_PAGE_PARAMS],
@@ -128,7 +135,7 @@ DOCUMENT: dict[str, Any] = {
                                 "application/json": {"schema": {
                                     "$ref": "#/components/schemas/ExclusionPage"}},
                                 "application/x-ndjson": {"schema": {"type": "string"}}}},
-                    **_errors(400, 401, 404, 409)},
+                    **_errors(400, 401, 404, 409), **_BUSY},
             },
         },
         "/v1/operations": {
@@ -142,11 +149,17 @@ DOCUMENT: dict[str, Any] = {
         },
         "/v1/operations/{operation_id}": {
             "get": {
-                "summary": "One operation and its attempts log",
+                "summary": "One operation and a page of its attempts log",
                 "parameters": [{"name": "operation_id", "in": "path", "required": True,
-                                "schema": {"type": "string"}}],
+                                "schema": {"type": "string"}},
+                               {"name": "attempts_limit", "in": "query",
+                                "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+                               {"name": "attempts_after", "in": "query",
+                                "description": "the previous page's attempts_next",
+                                "schema": {"type": "integer", "minimum": 0,
+                                           "maximum": 2**31 - 1}}],
                 "responses": {**_ok("the operation", {"$ref": "#/components/schemas/Operation"}),
-                              **_errors(401, 404)},
+                              **_errors(400, 401, 404)},
             },
         },
         "/v1/operations/{operation_id}/resolve": {
@@ -263,7 +276,7 @@ DOCUMENT: dict[str, Any] = {
                 "type": "object", "additionalProperties": False,
                 "properties": {
                     "schedule": {"type": "string", "minLength": 1, "maxLength": 100,
-                                 "pattern": PRINTABLE},
+                                 "pattern": SCHEDULE_NAME},
                     "scheduled_for": {"oneOf": [{"type": "string", "format": "date-time"},
                                                 {"type": "number", "minimum": 0,
                                                  "maximum": 253402300799}]},
@@ -304,6 +317,8 @@ DOCUMENT: dict[str, Any] = {
                     "attempts": {"type": "integer"}, "reason": _STR_OR_NULL,
                     "created_at": {"type": "number"}, "updated_at": {"type": "number"},
                     "attempts_log": {"type": "array", "items": {"type": "object"}},
+                    # The next page's attempts_after; null: this page is the last.
+                    "attempts_next": _STR_OR_NULL,
                 },
             },
             "Exclusion": {

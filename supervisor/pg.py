@@ -59,7 +59,7 @@ def channel(schema: str, name: str) -> str:
 async def create_pool(dsn: str, schema: str, min_size: int = 1,
                       max_size: int = 10) -> asyncpg.Pool:
     """A pool whose connections use ``schema``; raises StartupError naming the problem."""
-    if not SCHEMA_NAME.match(schema):
+    if not SCHEMA_NAME.fullmatch(schema):
         raise StartupError(f"ledger.schema {schema!r} must be a lower-case SQL identifier "
                            "of at most 40 characters")
     try:

@@ -4,8 +4,10 @@ An operation is ambiguous when a request may have acted but no answer says so. T
 reconciler waits ``probe_settle_seconds`` (a slow partner may still be acting), then asks
 the partner whether the recipient exists: absent is evidence of deletion; present is
 evidence the attempt did not take effect, so the operation is queued again. An
-inconclusive probe is recorded too, and the operation waits for the next pass or an
-operator (:meth:`resolve`).
+inconclusive probe is recorded too, and the operation waits for a later probe, put off
+longer after each inconclusive one (capped: a probe spends partner budget and writes an
+attempt row), or for an operator (:meth:`resolve`);
+``cleanup_reconcile_inconclusive_operations`` counts those waiting so.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ RESOLUTIONS: dict[str, OpState] = {
     "failed": OpState.FAILED,
     "retry": OpState.QUEUED,
 }
+
+
+def next_probe_in(op: Operation, first_s: float, max_s: float) -> float:
+    """How long an inconclusive probe puts the next one off: ``first_s`` after the first,
+    then twice the last wait, up to ``max_s``. The last wait is the operation's own
+    record (its due time past the last probe, which set both), so it survives restarts
+    and moves with the reconcile role between replicas."""
+    last = (op.due_at or 0.0) - op.updated_at
+    return first_s if last <= 0 else min(max_s, max(first_s, 2 * last))
 
 
 class Reconciler:
@@ -78,8 +89,11 @@ class Reconciler:
             await self._requeue(op, "probe", "evidence: probe found the recipient present; "
                                 "the ambiguous attempt did not take effect", detail)
         else:
+            wait = next_probe_in(op, self.config.probe_settle_seconds,
+                                 self.config.probe_backoff_max_seconds)
             await self.ledger.record_evidence(op.id, "probe", OpState.AMBIGUOUS, op.reason or
-                                              "ambiguous", f"inconclusive: {detail}")
+                                              "ambiguous", f"inconclusive: {detail}; next "
+                                              f"probe in {wait:g} s", probe_after_s=wait)
         log.info("probe of %s: %s (%s)", op.id, presence.value, detail,
                  extra={"operation_id": op.id, "run_id": op.run_id, "action": "probe"})
         return presence

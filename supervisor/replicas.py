@@ -21,7 +21,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import asyncpg
 
@@ -34,6 +34,7 @@ from supervisor.ledger.settings import LedgerConfig
 log = logging.getLogger(__name__)
 
 Factory = Callable[[], Coroutine[Any, Any, None]]
+T = TypeVar("T")
 
 
 def new_replica_id() -> str:
@@ -174,7 +175,13 @@ class AdvisoryRoles:
 
 
 class Membership:
-    """This replica in the registry: registers, heartbeats, reaps the dead, leaves."""
+    """This replica in the registry: registers, heartbeats, reaps the dead, leaves.
+
+    On a connection of its own, as the role locks are, never the shared pool: the pool
+    also serves every API read, the consumer and the shared budget, and a pool saturated
+    by them must not keep the heartbeat waiting until the peers declare a live replica
+    dead and send its work again.
+    """
 
     def __init__(self, db: PgDatabase, cfg: LedgerConfig, roles: AdvisoryRoles) -> None:
         self.db = db
@@ -184,6 +191,33 @@ class Membership:
         self.released = 0  # leases and guards it released for them
         self._last_beat = 0.0
         self._steady_since = 0.0  # heartbeats without a gap since then
+        self._conn: asyncpg.Connection | None = None
+
+    async def _write(self, fn: Callable[[Conn], Coroutine[Any, Any, T]]) -> T:
+        """``fn`` in one transaction on the heartbeat's connection (made again after any
+        fault: a statement cut short by a timeout leaves it in an unknown state)."""
+        try:
+            if self._conn is None or self._conn.is_closed():
+                self._conn = await pg.connect(self.db.dsn, self.db.schema)
+            async with self._conn.transaction():
+                return await fn(self._conn)
+        except (asyncpg.PostgresError, *STORAGE) as exc:
+            self._drop()
+            raise StorageError(f"heartbeat write failed: {exc}") from exc
+        except BaseException:
+            self._drop()
+            raise
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.terminate()
+            self._conn = None
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), CHECK_TIMEOUT_S)
 
     @property
     def fresh(self) -> bool:
@@ -196,7 +230,7 @@ class Membership:
             await conn.execute(sql.REGISTER_REPLICA, self.db.replica, socket.gethostname(),
                                os.getpid())
 
-        await self.db.write(write)
+        await self._write(write)
         self._last_beat = self._steady_since = time.monotonic()
 
     async def run(self) -> None:
@@ -246,15 +280,17 @@ class Membership:
             metrics.LIVE_REPLICAS.set(await conn.fetchval(sql.COUNT_REPLICAS))
             released = 0
             if dead:
-                status = await conn.execute(sql.RELEASE_MESSAGES_OF, dead, time.time())
+                status = await conn.execute(sql.RELEASE_MESSAGES_OF, dead)
                 released += int(status.rpartition(" ")[2])
                 status = await conn.execute(sql.RELEASE_GUARDS_OF, dead)
                 released += int(status.rpartition(" ")[2])
-                await self.db.notify(conn, "queue")
+                await conn.execute(sql.NOTIFY, pg.channel(self.db.schema, "queue"), "")
             return dead, released
 
-        dead, released = await self.db.write(write)
+        dead, released = await self._write(write)
         self._last_beat = time.monotonic()
+        if dead:
+            self.db.wakeups["queue"].set()  # committed: our own consumers look too
         if dead:
             self.reaped += len(dead)
             self.released += released
@@ -268,8 +304,11 @@ class Membership:
         async def write(conn: Conn) -> None:
             await conn.execute(sql.LEAVE, self.db.replica)
 
-        with contextlib.suppress(StorageError):
-            await self.db.write(write)
+        try:
+            with contextlib.suppress(StorageError):
+                await self._write(write)
+        finally:
+            await self.close()
 
     async def live(self) -> list[dict[str, Any]]:
         rows = await self.db.read(sql.LIVE_REPLICAS)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -14,7 +15,8 @@ from croniter import croniter
 
 from supervisor import metrics
 from supervisor.config import Config
-from supervisor.ledger.base import Ledger, OpenRunResult
+from supervisor.ledger.base import Ledger, OpenRunResult, Run
+from supervisor.states import OpState
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,52 @@ class Broadcast:
     def notify(self) -> None:
         event, self._event = self._event, asyncio.Event()
         event.set()
+
+
+@dataclass(frozen=True, slots=True)
+class RunSeen:
+    """A watched run and its operations by state, as the monitor last read them."""
+
+    run: Run
+    counts: Mapping[OpState, int]
+    counted_at: float  # time.monotonic() of the count
+
+
+class RunWatch(Broadcast):
+    """The runs long-polls wait on. The monitor reads each watched run once per pass and
+    publishes it here before it notifies, so however many clients wait on one run, the
+    ledger is read for it once per pass, not once per waiter per pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiters: dict[str, int] = {}
+        self._seen: dict[str, RunSeen] = {}
+
+    @contextlib.contextmanager
+    def watch(self, run_id: str) -> Iterator[None]:
+        self._waiters[run_id] = self._waiters.get(run_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._waiters[run_id] - 1
+            if left:
+                self._waiters[run_id] = left
+            else:  # nobody waits on it: the monitor stops reading it
+                del self._waiters[run_id]
+                self._seen.pop(run_id, None)
+
+    def watched(self) -> list[str]:
+        return list(self._waiters)
+
+    def seen(self, run_id: str) -> RunSeen | None:
+        return self._seen.get(run_id)
+
+    def publish(self, seen: Mapping[str, RunSeen]) -> None:
+        """What the monitor read; then it notifies. A run nobody waits on any more (its
+        last waiter left during the read) is not kept."""
+        for run_id, view in seen.items():
+            if run_id in self._waiters:
+                self._seen[run_id] = view
 
 
 @dataclass(frozen=True, slots=True)

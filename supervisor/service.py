@@ -37,7 +37,7 @@ from supervisor.queue.base import Queue
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.reconcile import Reconciler
 from supervisor.redrive import Redriver
-from supervisor.runs import Broadcast, RunOpener
+from supervisor.runs import RunOpener, RunWatch
 from supervisor.scan import Publisher, Scanner
 from supervisor.schedule import Scheduler
 from supervisor.ticks import TickPuller
@@ -91,7 +91,7 @@ class Service:
                                         backends.roles)
         partner = PartnerClient(c.partner, c.limits.concurrency)
         await partner.start()
-        runs_changed = Broadcast()
+        runs_changed = RunWatch()
         scan_wakeup = backends.wakeups["runs"]
         publish_wakeup = backends.wakeups["outbox"]
         monitor = Monitor(ledger, queue, budget, runs_changed, c.schedule.digest_cutoff_seconds,

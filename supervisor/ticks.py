@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,6 +20,7 @@ from supervisor import metrics
 from supervisor.errors import QueueBlocked, QueueError
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.runs import RunOpener, Tick, slot_of
+from supervisor.tickrules import TICK_KEY, check_schedule, parse_slot
 
 log = logging.getLogger(__name__)
 
@@ -27,28 +29,21 @@ BATCH = 10
 
 
 def tick_from(payload: Any, default_schedule: str) -> Tick:
-    """A tick message's payload: ``{"schedule"?, "scheduled_for"?, "key"?}``.
-    Raises ValueError naming the field that is wrong."""
+    """A tick message's payload: ``{"schedule"?, "scheduled_for"?, "key"?}``, held to the
+    webhook's rules (supervisor/tickrules.py). Raises ValueError naming the field that is
+    wrong."""
     if not isinstance(payload, dict):
         raise ValueError("payload must be a JSON object")
     unknown = set(payload) - {"schedule", "scheduled_for", "key"}
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
     schedule = payload.get("schedule", default_schedule)
-    if not isinstance(schedule, str) or not 0 < len(schedule) <= 100:
-        raise ValueError("schedule must be a string of 1 to 100 characters")
-    slot = None
-    if "scheduled_for" in payload:
-        text = payload["scheduled_for"]
-        try:
-            slot = datetime.fromisoformat(text) if isinstance(text, str) else None
-        except ValueError:
-            slot = None
-        if slot is None or slot.tzinfo is None:
-            raise ValueError("scheduled_for must be an ISO 8601 time with a UTC offset")
+    if (problem := check_schedule(schedule)) is not None:
+        raise ValueError(problem)
+    slot = parse_slot(payload["scheduled_for"]) if "scheduled_for" in payload else None
     key = payload.get("key")
-    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 200):
-        raise ValueError("key must be a string of 1 to 200 characters")
+    if key is not None and (not isinstance(key, str) or not re.fullmatch(TICK_KEY, key)):
+        raise ValueError("key must be 1 to 200 visible ASCII characters")
     return Tick(schedule=schedule, slot=slot, key=key)
 
 
@@ -85,11 +80,6 @@ class TickPuller:
                 continue
             try:
                 tick = tick_from(item.get("payload"), self.default_schedule)
-            except ValueError as exc:
-                metrics.TICKS.labels("malformed").inc()
-                log.warning("tick %s dropped: %s", message_id, exc,
-                            extra={"action": "tick_malformed"})
-            else:
                 if self._superseded(tick):
                     # Missed while nothing pulled (Infrai keeps messages for days): a later
                     # slot has come since, and missed slots are not caught up one by one.
@@ -98,6 +88,12 @@ class TickPuller:
                              extra={"action": "tick_missed"})
                 else:
                     await self.opener.open(tick)  # committed before the ack below
+            except (ValueError, OverflowError) as exc:
+                # It can never become valid: acked, or it would come back every lease and
+                # fail again, forever, with the ticks behind it waiting.
+                metrics.TICKS.labels("malformed").inc()
+                log.warning("tick %s dropped: %s", message_id, exc,
+                            extra={"action": "tick_malformed"})
             try:
                 await self.queue.ack_id(message_id)
             except QueueError as exc:

@@ -48,6 +48,16 @@ class Grant:
     at: float  # wall clock of the grant: which cut the answer belongs to
 
 
+@dataclass(slots=True)
+class Admission:
+    """A concurrency slot taken by :meth:`RateBudget.admit`, with no hold in force then:
+    spent by :meth:`RateBudget.grant` (a grant, or nothing), or given back unused by
+    :meth:`RateBudget.withdraw`. Whichever comes first frees it; the rest do nothing."""
+
+    at: float  # wall clock of the admission
+    spent: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class QuotaView:
     name: str
@@ -121,6 +131,22 @@ class RateBudget(Protocol):
     async def acquire(self) -> Grant:
         """Wait for a concurrency slot, the pause and quotas, then a token; the request
         should leave right after. Cancellation takes nothing."""
+
+    async def admit(self) -> Admission:
+        """The first half of :meth:`acquire`: wait for a concurrency slot and out any hold,
+        and keep the slot. Call it before the attempt is written, so that an attempt is
+        never open while its worker waits for a slot or a pause. Cancellation takes
+        nothing."""
+
+    async def grant(self, admission: Admission) -> Grant | None:
+        """The second half: wait for the token under ``admission``'s slot (which it
+        spends). None, with the slot freed, when a hold began meanwhile (a Retry-After, a
+        spent quota): the caller closes its attempt unsent and waits out the hold before
+        writing another. Cancellation frees the slot and takes nothing."""
+
+    def withdraw(self, admission: Admission) -> None:
+        """Free an admission's slot unused (the attempt could not be written); nothing
+        once :meth:`grant` has spent it."""
 
     def release(self, grant: Grant, feedback: Feedback) -> None:
         """The answer to a granted request: frees its slot and feeds the policy."""

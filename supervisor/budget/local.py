@@ -26,7 +26,7 @@ from aiolimiter import AsyncLimiter
 
 from supervisor.budget import policy
 from supervisor.budget.announced import PACE_WINDOW_S, Announced
-from supervisor.budget.base import Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
+from supervisor.budget.base import Admission, Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
 from supervisor.budget.concurrency import GradientLimit
 from supervisor.budget.policy import BudgetState, PolicyConfig
 from supervisor.budget.quota import RollingQuota
@@ -163,26 +163,49 @@ class LocalBudget:
             self._tune(empty=True)
 
     async def acquire(self) -> Grant:
-        bucket, _, slot_free = self._ensure()
+        while True:
+            if (grant := await self.grant(await self.admit())) is not None:
+                return grant
+
+    async def admit(self) -> Admission:
+        _, _, slot_free = self._ensure()
         # The slot first, the token last: the token's timing is what the partner sees.
         while self._in_flight >= self._concurrency.value:
             slot_free.clear()
             await slot_free.wait()
         self._in_flight += 1
         try:
-            while True:
-                await self.ready()
-                await bucket.acquire()
-                now = self._clock()
-                if not self._held_until(now)[0]:
-                    break
-                # A hold began while we waited for the token: the token is forfeit.
-            for q in self._quotas:
-                q.take(now)
-            return Grant(at=now)
+            await self.ready()
         except BaseException:
             self._free_slot()
             raise
+        return Admission(at=self._clock())
+
+    async def grant(self, admission: Admission) -> Grant | None:
+        if admission.spent:
+            raise RuntimeError("LocalBudget.grant: this admission was spent already")
+        admission.spent = True
+        bucket, _, _ = self._ensure()
+        try:
+            if not self._held_until(self._clock())[0]:
+                await bucket.acquire()
+                now = self._clock()
+                if not self._held_until(now)[0]:
+                    for q in self._quotas:
+                        q.take(now)
+                    return Grant(at=now)
+            # A hold began after the admission (or while we waited for the token, which
+            # is then forfeit): nothing is granted before it ends.
+        except BaseException:
+            self._free_slot()
+            raise
+        self._free_slot()
+        return None
+
+    def withdraw(self, admission: Admission) -> None:
+        if not admission.spent:
+            admission.spent = True
+            self._free_slot()
 
     def _free_slot(self) -> None:
         self._in_flight -= 1

@@ -59,7 +59,7 @@ import asyncpg
 from supervisor import pg
 from supervisor.budget import policy
 from supervisor.budget.announced import Announced
-from supervisor.budget.base import Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
+from supervisor.budget.base import Admission, Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
 from supervisor.budget.concurrency import GradientLimit
 from supervisor.budget.pg_listen import Listener
 from supervisor.budget.pg_row import MIGRATIONS, BudgetTable, Change, Row, live, new_life, parse
@@ -256,30 +256,53 @@ class PostgresBudget:
                     await self._changed.wait()
 
     async def acquire(self) -> Grant:
+        while True:
+            if (grant := await self.grant(await self.admit())) is not None:
+                return grant
+
+    async def admit(self) -> Admission:
         self._check_open()
         while self._in_flight >= self._concurrency.value:
             self._slot_free.clear()
             await self._slot_free.wait()
         self._in_flight += 1
+        try:
+            await self.ready()
+        except BaseException:
+            self._free_slot()
+            raise
+        return Admission(at=self._clock())
+
+    async def grant(self, admission: Admission) -> Grant | None:
+        if admission.spent:
+            raise RuntimeError("PostgresBudget.grant: this admission was spent already")
+        admission.spent = True
         self._book.acquiring += 1
         try:
-            while True:
-                await self.ready()
+            while not self._held_until(self._clock())[0]:
                 self._check_open()
                 at = await self._book.next(self._reserve, lambda now: self._held_until(now)[0] > 0)
                 if at is None or not await self._book.wait(at, self._book.gen):
-                    continue
+                    continue  # no slot reserved, or it went void: look at the hold again
                 now, state = self._clock(), self._view.state
                 if state.paused_until <= now:
                     self.grants += 1
                     self._book.granted(now)
                     return SharedGrant(at=now, paced_cut=state.cut_at)
                 # A pause began while we waited for the slot: the slot is forfeit.
+            # A hold began after the admission: nothing is granted before it ends.
         except BaseException:
             self._free_slot()
             raise
         finally:
             self._book.acquiring -= 1
+        self._free_slot()
+        return None
+
+    def withdraw(self, admission: Admission) -> None:
+        if not admission.spent:
+            admission.spent = True
+            self._free_slot()
 
     def _check_open(self) -> None:
         if self._refresher is None or self._view.closed:

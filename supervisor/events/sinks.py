@@ -34,6 +34,7 @@ from supervisor.errors import QueueError
 from supervisor.events.settings import SinkConfig
 from supervisor.infrai.settings import InfraiConfig
 from supervisor.ledger.base import Event
+from supervisor.logtext import LIMIT, outside
 from supervisor.partner import parse_retry_after
 from supervisor.queue.base import MAX_PAYLOAD_BYTES
 from supervisor.queue.infrai import InfraiQueue
@@ -173,11 +174,13 @@ class WebhookSink:
                                           allow_redirects=False) as resp:
                 if 200 <= resp.status < 300:
                     return n
-                detail = (await resp.content.read(200)).decode("utf-8", "replace").strip()
+                detail = outside((await resp.content.read(LIMIT)).decode("utf-8", "replace")
+                                 .strip())
                 wait = parse_retry_after(resp.headers.get("Retry-After"), time.time(),
                                          MAX_RETRY_AFTER_S)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise SinkError(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+            # aiohttp's text names the URL, which may hold a token: cut to the host.
+            raise SinkError(outside(f"{type(exc).__name__}: {exc}".rstrip(": "))) from exc
         raise SinkError(f"HTTP {resp.status}" + (f": {detail}" if detail else ""), wait)
 
     async def close(self) -> None:

@@ -25,6 +25,7 @@ import orjson
 from supervisor import metrics
 from supervisor.config import InfraiConfig
 from supervisor.errors import QueueBlocked, QueueError, QueueRefused
+from supervisor.logtext import outside
 from supervisor.partner import parse_retry_after
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,8 @@ class InfraiClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             metrics.TRANSPORT_CALLS.labels(name, "error").inc()
             # Reset or timed out: it may have acted. The retry carries the same key.
-            return _Failure(True, None, QueueError(f"Infrai {name}: {type(exc).__name__}: {exc}"))
+            return _Failure(True, None, QueueError(
+                f"Infrai {name}: {type(exc).__name__}: {outside(str(exc))}"))
         metrics.TRANSPORT_CALLS.labels(name, str(status)).inc()
         envelope = _envelope(raw)
         if status == 429:
@@ -184,4 +186,6 @@ def _error(envelope: Mapping[str, Any] | None) -> tuple[str, str, str]:
     error = envelope.get("error") if envelope else None
     if not isinstance(error, dict):
         return "", "", ""
-    return tuple(str(error.get(k) or "") for k in ("code", "message", "hint"))  # type: ignore[return-value]
+    code, message, hint = (str(error.get(k) or "") for k in ("code", "message", "hint"))
+    # Infrai's own text goes into errors that are logged: escaped and bounded.
+    return outside(code, 64), outside(message), outside(hint)

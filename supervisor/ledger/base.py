@@ -15,6 +15,9 @@ from supervisor.states import OpState, RunState
 
 @dataclass(frozen=True, slots=True)
 class Run:
+    """A run. ``source`` is the whole source (an inline run's IDs included) only as
+    get_run and runs_to_scan read it; list reads give ``{"kind": ...}``."""
+
     id: str
     tick_key: str
     schedule: str
@@ -121,6 +124,8 @@ class Received:
 @dataclass(frozen=True, slots=True)
 class LedgerStats:
     ambiguous: int = 0
+    # Ambiguous operations whose last probe was inconclusive (their next one put off).
+    inconclusive: int = 0
     current_run: Run | None = None
     current_run_by_state: Mapping[OpState, int] = field(default_factory=dict)
 
@@ -157,7 +162,17 @@ class Ledger(Protocol):
 
     async def get_run(self, run_id: str) -> Run | None: ...
 
-    async def list_runs(self, limit: int, before: str | None = None) -> list[Run]: ...
+    async def list_runs(self, limit: int, before: str | None = None) -> list[Run]:
+        """Runs newest first, before the run ``before``. Like every list read here
+        (get_runs, schedule_runs, stats) a run's ``source`` holds only its ``kind``: an
+        inline run's IDs are for the scan (get_run, runs_to_scan), not for listings."""
+
+    async def get_runs(self, run_ids: Sequence[str]) -> dict[str, Run]:
+        """Several runs in one read (those that exist), by ID; ``source`` as list_runs."""
+
+    async def schedule_runs(self, schedule: str) -> list[Run]:
+        """The schedule's newest run and every older one still unfinished, oldest first,
+        through an index: what exclusions read, however many runs the schedule has had."""
 
     async def run_counts(self, run_id: str) -> dict[OpState, int]: ...
 
@@ -204,7 +219,10 @@ class Ledger(Protocol):
         """A run's operations ordered by ID, after the operation ID ``after`` (a cursor
         that means the same in every backend: no storage row ID)."""
 
-    async def attempts(self, operation_id: str) -> list[Attempt]: ...
+    async def attempts(self, operation_id: str, after: int = 0,
+                       limit: int | None = None) -> list[Attempt]:
+        """The operation's attempts and evidence in the order written: ``limit`` of them
+        (None: all) after the first ``after`` (a position: the log is only appended to)."""
 
     async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
                             busy_s: float = 0.0, supersedes_open: bool = True) -> int:
@@ -215,17 +233,38 @@ class Ledger(Protocol):
         ``supersedes_open``: an earlier attempt may be unfinished; record it as unknown.
         """
 
+    async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           busy_s: float) -> bool:
+        """Hold the operation for ``busy_s`` more (from the ledger's clock's now) while
+        ``attempt_id`` waits to be sent: only while it is still the operation's open
+        attempt, held by ``owner``, and its hold has not run out (on PostgreSQL, and this
+        replica is registered as alive). False: the attempt is no longer ``owner``'s,
+        and its request must not be sent."""
+
+    async def owns_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           for_s: float) -> bool:
+        """The check right before a request leaves (a read): ``attempt_id`` is still the
+        operation's open attempt, held by ``owner`` for at least ``for_s`` more (and on
+        PostgreSQL this replica's heartbeat is fresh enough that no peer can declare it
+        dead within ``for_s``)."""
+
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         """Commit outcomes; return the settlements whose message the transport must still
-        ack or publish again (none when the queue lives in the ledger's own database)."""
+        ack or publish again (none when the queue lives in the ledger's own database).
+        An outcome for an attempt that is closed already (another delivery's attempt
+        superseded it) is discarded: that attempt owns the operation."""
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
-                              reason: str, detail: str, status: int | None = None) -> bool:
+                              reason: str, detail: str, status: int | None = None,
+                              probe_after_s: float | None = None) -> bool:
         """Record a probe's or operator's finding and move the operation; True when the
-        operation was queued again and its message must still be published."""
+        operation was queued again and its message must still be published.
+        ``probe_after_s``: an inconclusive finding (``target`` ambiguous) puts the next
+        probe off this long (the operation's ``due_at``)."""
 
     async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
-        """Ambiguous operations that have settled for long enough to be probed."""
+        """Ambiguous operations that have settled for long enough to be probed, and whose
+        next probe is not put off."""
 
     async def operations_in_state(self, state: OpState, after: str | None,
                                   limit: int) -> list[Operation]:

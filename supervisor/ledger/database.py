@@ -43,11 +43,16 @@ class Database:
         self._failed_at = 0.0
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
+        # The API's long listings (exclusions pages and streams, operation pages) read on
+        # a connection (and a thread) of their own: the consumer's reads never queue
+        # behind a thousand-row page.
+        self._lister: aiosqlite.Connection | None = None
         self._pending: asyncio.Queue[tuple[Write, asyncio.Future[Any]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.healthy = False
         self.last_error: str | None = None
         self.commits = 0
+        self.reads = 0  # statements run on the reader: what a read path costs, in tests too
         self._corrupt = False
         # Why the writer task ended, while it is down: writes fail at once instead of
         # waiting in a queue nobody serves; :meth:`watch` starts a new writer.
@@ -115,14 +120,16 @@ class Database:
     @staticmethod
     async def _migrate(conn: aiosqlite.Connection) -> None:
         """Add the columns a ledger file written by an earlier release lacks."""
-        added = False
+        added: set[str] = set()
         for table, column, decl in sql.ADDED_COLUMNS:
             rows = await conn.execute_fetchall(f"PRAGMA table_info({table})")
             if column not in {r[1] for r in rows}:
                 await conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
-                added = True
-        if added:
+                added.add(table)
+        if "operations" in added:
             await conn.execute(sql.BACKFILL_DUE)
+        if "runs" in added:
+            await conn.execute(sql.BACKFILL_SOURCE_KIND)
         await conn.execute(sql.ACTIVE_INDEX)
 
     async def _connect(self) -> None:
@@ -135,15 +142,17 @@ class Database:
             await self._writer.execute(pragma)
         self._reader = await aiosqlite.connect(self.path, isolation_level=None)
         await self._reader.execute("PRAGMA busy_timeout=5000")
+        self._lister = await aiosqlite.connect(self.path, isolation_level=None)
+        await self._lister.execute("PRAGMA busy_timeout=5000")
 
     async def _reconnect(self) -> None:
         """Fresh connections after a corrupt-page error: the old ones may keep the bad page
         in their cache after the file was repaired underneath them."""
-        for conn in (self._reader, self._writer):
+        for conn in (self._lister, self._reader, self._writer):
             if conn is not None:
                 with contextlib.suppress(sqlite3.Error, ValueError):
                     await conn.close()
-        self._reader = self._writer = None
+        self._lister = self._reader = self._writer = None
         try:
             await self._connect()
         except sqlite3.Error as exc:
@@ -164,11 +173,11 @@ class Database:
                     task.exception()  # retrieved: the death was reported when it happened
                 self._fail_pending(StorageError("ledger is closed"))
         finally:
-            for conn in (self._reader, self._writer):
+            for conn in (self._lister, self._reader, self._writer):
                 if conn is not None:
                     with contextlib.suppress(sqlite3.Error, ValueError):
                         await conn.close()
-            self._reader = self._writer = None
+            self._lister = self._reader = self._writer = None
 
     async def write(self, fn: Callable[[aiosqlite.Connection], Awaitable[T]],
                     savepoint: bool = True) -> T:
@@ -189,12 +198,16 @@ class Database:
         self._pending.put_nowait(((fn, savepoint), fut))
         return await asyncio.shield(fut)
 
-    async def read(self, query: str, params: Any = ()) -> list[sqlite3.Row]:
-        if self._reader is None:
+    async def read(self, query: str, params: Any = (), listing: bool = False,
+                   ) -> list[sqlite3.Row]:
+        """``listing``: a long listing for the API, read on its own connection."""
+        conn = self._lister if listing else self._reader
+        if conn is None:
             raise StorageError("ledger is not open")
+        self.reads += 1
         try:
             # One round trip to the reader's thread, not three (execute, fetch, close).
-            return list(await self._reader.execute_fetchall(query, params))
+            return list(await conn.execute_fetchall(query, params))
         except (sqlite3.Error, ValueError) as exc:  # ValueError: reconnecting meanwhile
             raise StorageError(f"ledger read failed: {exc}") from exc
 

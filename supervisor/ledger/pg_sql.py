@@ -4,9 +4,11 @@ The same state changes as supervisor/ledger/sql.py (the SQLite ledger), in Postg
 dialect: ``$n`` parameters, GREATEST/LEAST, arrays instead of json_each, and what only
 several writers need: an owner (``holder``, a replica) on every lease and in-flight guard,
 claims with ``FOR UPDATE SKIP LOCKED``, NOTIFY on the writes other replicas wait for.
-Times are epoch seconds (double precision), as in the SQLite file; the replica registry
-alone uses the database's clock, so replicas on hosts with skewed clocks agree on who is
-dead.
+Times are epoch seconds (double precision), as in the SQLite file. What replicas compare
+with one another's writes uses the database's clock (``DB_NOW``), never a replica's own:
+the registry (who is dead), the queue table's leases and delays (``available_at``), and
+the in-flight guards (``busy_until``), so a replica whose clock is off can neither claim a
+lease a peer still holds nor pass a peer's guard.
 """
 
 from __future__ import annotations
@@ -122,6 +124,15 @@ MIGRATIONS = (
             detail TEXT NOT NULL)""",
         "CREATE INDEX IF NOT EXISTS operator_actions_action ON operator_actions(action, id)",
     )),
+    # List reads show a run's source kind without its JSON (an inline run's IDs), and
+    # exclusions read a schedule's newest and unfinished runs through an index.
+    Migration("ledger", 3, (
+        "ALTER TABLE runs ADD COLUMN IF NOT EXISTS source_kind TEXT",
+        "UPDATE runs SET source_kind = source::json->>'kind' WHERE source_kind IS NULL",
+        "CREATE INDEX IF NOT EXISTS runs_schedule ON runs(schedule, created_at, id)",
+        "CREATE INDEX IF NOT EXISTS runs_schedule_unfinished ON runs(schedule, created_at, id) "
+        "WHERE state != 'done'",
+    )),
 )
 
 DB_NOW = "extract(epoch from clock_timestamp())::double precision"
@@ -131,12 +142,14 @@ RUN_COLUMNS = (
     "discovered, skipped_candidates, scan_failures, last_error, created_at, "
     "scan_finished_at, finished_at"
 )
+# List reads: the source's kind, not its JSON (see supervisor/ledger/sql.py).
+LIST_RUN_COLUMNS = RUN_COLUMNS.replace("state, source,", "state, source_kind,")
 OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at, due_at"
 
 # runs
 INSERT_RUN = (
-    "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, created_at) "
-    "VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (tick_key) DO NOTHING"
+    "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, source_kind, "
+    "created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (tick_key) DO NOTHING"
 )
 SELECT_RUN_BY_TICK = f"SELECT {RUN_COLUMNS} FROM runs WHERE tick_key = $1"
 SELECT_RECENT_RUN_OF_SCHEDULE = (
@@ -145,17 +158,23 @@ SELECT_RECENT_RUN_OF_SCHEDULE = (
 )
 SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"
 SELECT_UNFINISHED_RUN = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
 )
-SELECT_RUNS = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC, id DESC LIMIT $1"
+SELECT_RUNS = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC, id DESC LIMIT $1"
 SELECT_RUNS_BEFORE = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE (created_at, id) < "
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE (created_at, id) < "
     "(SELECT created_at, id FROM runs WHERE id = $1) ORDER BY created_at DESC, id DESC LIMIT $2"
+)
+SELECT_RUNS_BY_ID = f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE id = ANY($1::text[])"
+SELECT_SCHEDULE_RUNS = (
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = $1 AND state != 'done' "
+    f"UNION SELECT * FROM (SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = $1 "
+    "ORDER BY created_at DESC, id DESC LIMIT 1) newest ORDER BY created_at, id"
 )
 SELECT_RUNS_TO_SCAN = (
     f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
 )
-SELECT_CURRENT_RUN = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
+SELECT_CURRENT_RUN = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
 # Only from the cursor the scan resumed from: a second scanner (a holder that lost its
 # role without knowing) cannot write a page over the one that took over.
 UPDATE_RUN_PAGE = (
@@ -184,7 +203,10 @@ REOPEN_RUN = (
     "UPDATE runs SET state = 'draining', finished_at = NULL WHERE id = $1 AND state = 'done'"
 )
 COUNT_RUN_STATES = "SELECT state, COUNT(*) FROM operations WHERE run_id = $1 GROUP BY state"
-COUNT_AMBIGUOUS = "SELECT COUNT(*) FROM operations WHERE state = 'ambiguous'"
+COUNT_AMBIGUOUS = (
+    "SELECT COUNT(*), COUNT(*) FILTER (WHERE due_at > updated_at) FROM operations "
+    "WHERE state = 'ambiguous'"
+)
 
 # operations
 INSERT_OPERATIONS = (
@@ -213,7 +235,9 @@ SELECT_UNPUBLISHED = (
     "SELECT run_id, id, recipient_id FROM operations WHERE state = 'discovered' "
     "ORDER BY id LIMIT $1"
 )
-SELECT_OP_STATE = "SELECT state, attempts, owner, busy_until FROM operations WHERE id = $1"
+SELECT_OP_STATE = (
+    f"SELECT state, attempts, owner, busy_until, {DB_NOW} FROM operations WHERE id = $1"
+)
 RECORD_PUBLISHED = (
     "UPDATE operations SET message_id = $1, published_at = $2,"
     " due_at = GREATEST(COALESCE(due_at, 0), $3), leased_until = NULL, updated_at = $2,"
@@ -227,9 +251,11 @@ RECORD_OUTBOX = (
 )
 # Returned with the count: how much longer the operation is held (an attempt's guard, a
 # retry not yet due), as this write saw it.
+# Guards and due times are the database's clock's (see the module docstring), and so is
+# how long they still hold.
 _HELD_S = (
-    "GREATEST(0, CASE state WHEN 'in_flight' THEN COALESCE(busy_until, 0) - $1"
-    " WHEN 'retry_wait' THEN COALESCE(due_at, 0) - $1 ELSE 0 END)"
+    f"GREATEST(0, CASE state WHEN 'in_flight' THEN COALESCE(busy_until, 0) - {DB_NOW}"
+    f" WHEN 'retry_wait' THEN COALESCE(due_at, 0) - {DB_NOW} ELSE 0 END)"
 )
 NOTE_RECEIVED = (
     "UPDATE operations SET receives = receives + 1, received_at = $1,"
@@ -272,22 +298,44 @@ SELECT_OVERDUE = (
 @functools.cache
 def transition(target: OpState, guard_busy: bool) -> str:
     """The guarded state change (see supervisor/ledger/sql.py): parameters are target,
-    reason, count, now, owner, busy_until, id, holder; no row back means refused."""
+    reason, count, now, owner, busy_s (the hold, from the database's now; NULL for none),
+    id, holder; no row back means refused. The guard and the hold are on the database's
+    clock: every replica compares them with the same one."""
     # No predecessor (nothing moves back to discovered): PostgreSQL has no ``IN ()``.
     allowed = ", ".join(f"'{s.value}'" for s in sorted(states.predecessors(target))) or "NULL"
-    busy = (" AND (state != 'in_flight' OR busy_until IS NULL OR busy_until <= $4"
+    busy = (f" AND (state != 'in_flight' OR busy_until IS NULL OR busy_until <= {DB_NOW}"
             " OR owner = $5)") if guard_busy else ""
     return (
         "UPDATE operations SET state = $1, reason = COALESCE($2, reason), "
-        "attempts = attempts + $3, updated_at = $4, owner = $5, busy_until = $6, "
+        "attempts = attempts + $3, updated_at = $4, owner = $5, "
+        f"busy_until = {DB_NOW} + $6::double precision, "
         f"holder = $8 WHERE id = $7 AND state IN ({allowed}){busy} RETURNING attempts"
     )
 
 
+# The attempt still holds its operation in flight: open, ``owner``'s on this replica
+# (``holder``), its hold not run out, and the replica registered as alive. Parameters:
+# id, attempt, owner, holder, the hold's margin, the heartbeat's freshness.
+_OWNED = (
+    "o.id = $1 AND o.state = 'in_flight' AND o.owner = $3 AND o.holder = $4"
+    " AND EXISTS (SELECT 1 FROM attempts a WHERE a.id = $2 AND a.operation_id = $1"
+    " AND a.outcome IS NULL)"
+)
+OWNS_ATTEMPT = (
+    f"SELECT 1 FROM operations o WHERE {_OWNED} AND o.busy_until > {DB_NOW} + $5"
+    f" AND EXISTS (SELECT 1 FROM replicas r WHERE r.id = $4 AND r.heartbeat_at > {DB_NOW} - $6)"
+)
+KEEP_ATTEMPT = (
+    f"UPDATE operations o SET busy_until = {DB_NOW} + $5 WHERE {_OWNED}"
+    f" AND o.busy_until > {DB_NOW}"
+)
+
+
 SELECT_AMBIGUOUS_DUE = (
     f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= $1 "
-    "ORDER BY updated_at LIMIT $2"
+    "AND COALESCE(due_at, 0) <= $2 ORDER BY updated_at LIMIT $3"
 )
+PUT_OFF_PROBE = "UPDATE operations SET due_at = $1 WHERE id = $2"
 
 # attempts
 INSERT_ATTEMPT = (
@@ -303,47 +351,61 @@ FINISH_ATTEMPT = (
     "UPDATE attempts SET finished_at = $1, status = $2, outcome = $3, detail = $4 "
     "WHERE id = $5 AND outcome IS NULL RETURNING id"
 )
+# The new attempt supersedes every open one (recorded as unknown), in one statement.
+SUPERSEDE_AND_INSERT_ATTEMPT = (
+    "WITH closed AS (UPDATE attempts SET finished_at = $4, outcome = 'unknown', "
+    "detail = 'no outcome recorded (process stopped or lease lost)' "
+    "WHERE operation_id = $1 AND outcome IS NULL) "
+    "INSERT INTO attempts (operation_id, n, kind, started_at) VALUES ($1, $2, $3, $4) "
+    "RETURNING id"
+)
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = $1, outcome = 'unknown', "
     "detail = 'no outcome recorded (process stopped or lease lost)' "
     "WHERE operation_id = $2 AND outcome IS NULL"
 )
+# Paged by position in the operation's log: LIMIT NULL is all.
 SELECT_ATTEMPTS = (
     "SELECT id, operation_id, n, kind, started_at, finished_at, status, outcome, detail "
-    "FROM attempts WHERE operation_id = $1 ORDER BY id"
+    "FROM attempts WHERE operation_id = $1 ORDER BY id LIMIT $2 OFFSET $3"
 )
 
 # the queue table
+# The queue table's times (available_at: a delay, or a lease's end) are on the database's
+# clock: parameters are delays and leases in seconds from its now.
 INSERT_MESSAGE = (
     "INSERT INTO messages (operation_id, run_id, recipient_id, available_at, enqueued_at) "
-    "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (operation_id) DO NOTHING"
+    f"VALUES ($1, $2, $3, {DB_NOW} + $4::double precision, $5) "
+    "ON CONFLICT (operation_id) DO NOTHING"
 )
 # SKIP LOCKED: replicas claiming at the same moment take different rows instead of
 # queueing behind one another's locks.
+# Parameters: the lease (seconds), its token, the holder, how many.
 CLAIM_MESSAGES = (
-    "UPDATE messages m SET available_at = $1, lease_token = $2, holder = $3, "
-    "receives = m.receives + 1 FROM (SELECT operation_id FROM messages "
-    "WHERE available_at <= $4 ORDER BY available_at LIMIT $5 FOR UPDATE SKIP LOCKED) c "
+    f"UPDATE messages m SET available_at = {DB_NOW} + $1::double precision, lease_token = $2,"
+    " holder = $3, receives = m.receives + 1 FROM (SELECT operation_id FROM messages "
+    f"WHERE available_at <= {DB_NOW} ORDER BY available_at LIMIT $4 FOR UPDATE SKIP LOCKED) c "
     "WHERE m.operation_id = c.operation_id "
     "RETURNING m.run_id, m.operation_id, m.recipient_id, m.receives"
 )
 DELETE_MESSAGE = "DELETE FROM messages WHERE operation_id = $1 AND lease_token = $2"
 RETRY_MESSAGE = (
-    "UPDATE messages SET available_at = $1, lease_token = NULL, holder = NULL "
-    "WHERE operation_id = $2 AND lease_token = $3"
+    f"UPDATE messages SET available_at = {DB_NOW} + $1::double precision, lease_token = NULL,"
+    " holder = NULL WHERE operation_id = $2 AND lease_token = $3"
 )
 EXTEND_MESSAGE = (
-    "UPDATE messages SET available_at = $1 WHERE operation_id = $2 AND lease_token = $3"
+    f"UPDATE messages SET available_at = {DB_NOW} + $1::double precision "
+    "WHERE operation_id = $2 AND lease_token = $3"
 )
+# Ages and waits as seconds from the database's now (a replica adds its own clock).
 QUEUE_STATS = (
-    "SELECT "
-    " COUNT(*) FILTER (WHERE available_at <= $1),"
-    " COUNT(*) FILTER (WHERE available_at > $1 AND lease_token IS NULL),"
-    " COUNT(*) FILTER (WHERE available_at > $1 AND lease_token IS NOT NULL),"
-    " MIN(available_at) FILTER (WHERE available_at <= $1) "
-    "FROM messages"
+    f"SELECT COUNT(*) FILTER (WHERE available_at <= n.t),"
+    " COUNT(*) FILTER (WHERE available_at > n.t AND lease_token IS NULL),"
+    " COUNT(*) FILTER (WHERE available_at > n.t AND lease_token IS NOT NULL),"
+    " n.t - MIN(available_at) FILTER (WHERE available_at <= n.t) "
+    f"FROM messages, (SELECT {DB_NOW} AS t) n GROUP BY n.t"
 )
-NEXT_AVAILABLE = "SELECT MIN(available_at) FROM messages"
+NEXT_AVAILABLE = f"SELECT MIN(available_at) - {DB_NOW} FROM messages"
 NOTIFY = "SELECT pg_notify($1, $2)"
 
 # the replica registry
@@ -366,7 +428,7 @@ END_ROLE_SESSIONS = (
     "WHERE pid = ANY($1::int[]) AND application_name = $2"
 )
 RELEASE_MESSAGES_OF = (
-    "UPDATE messages SET available_at = $2, lease_token = NULL, holder = NULL "
+    f"UPDATE messages SET available_at = {DB_NOW}, lease_token = NULL, holder = NULL "
     "WHERE holder = ANY($1::text[])"
 )
 RELEASE_GUARDS_OF = (

@@ -49,12 +49,13 @@ from supervisor.states import SETTLED, OpState, RunState
 log = logging.getLogger(__name__)
 
 
-def _run(r: asyncpg.Record) -> Run:
+def _run(r: asyncpg.Record, listed: bool = False) -> Run:
+    """A run from RUN_COLUMNS, or (``listed``) from LIST_RUN_COLUMNS: its source's kind."""
     return Run(
         id=r[0], tick_key=r[1], schedule=r[2], scheduled_for=r[3], state=RunState(r[4]),
-        source=orjson.loads(r[5]), scan_cursor=r[6], scan_pages=r[7], discovered=r[8],
-        skipped_candidates=r[9], scan_failures=r[10], last_error=r[11], created_at=r[12],
-        scan_finished_at=r[13], finished_at=r[14])
+        source={"kind": r[5]} if listed else orjson.loads(r[5]), scan_cursor=r[6],
+        scan_pages=r[7], discovered=r[8], skipped_candidates=r[9], scan_failures=r[10],
+        last_error=r[11], created_at=r[12], scan_finished_at=r[13], finished_at=r[14])
 
 
 def _op(r: asyncpg.Record, unfinished: bool = False) -> Operation:
@@ -73,11 +74,15 @@ class PostgresLedger:
     """:class:`~supervisor.ledger.base.Ledger` and
     :class:`~supervisor.ledger.base.EventOutbox` on one :class:`PgDatabase`."""
 
-    def __init__(self, db: PgDatabase, owns_queue: bool, fence_s: float = 2.5) -> None:
+    def __init__(self, db: PgDatabase, owns_queue: bool, fence_s: float = 2.5,
+                 dead_after_s: float | None = None) -> None:
         self.db = db
         self._owns_queue = owns_queue
         # No attempt starts unless our heartbeat is this fresh (half of dead_after).
         self._fence_s = fence_s
+        # When peers declare a silent replica dead: no request leaves unless it is over
+        # (by its own timeouts) before our heartbeat could be that old.
+        self._dead_after_s = dead_after_s if dead_after_s is not None else 2 * fence_s
         self._events_lock = pg.lock_key(db.schema, "xact:events")
         self._open_lock = pg.lock_key(db.schema, "xact:open_run")
         self._finish_lock = pg.lock_key(db.schema, "xact:finish_runs")
@@ -103,11 +108,13 @@ class PostgresLedger:
             if skip_if_unfinished:
                 busy = await conn.fetchrow(sql.SELECT_UNFINISHED_RUN)
                 if busy is not None:
-                    return OpenRunResult(None, created=False, skipped_for=_run(busy))
+                    return OpenRunResult(None, created=False,
+                                         skipped_for=_run(busy, listed=True))
             now = time.time()
             run_id = new_run_id(now)
             await conn.execute(sql.INSERT_RUN, run_id, tick_key, schedule, scheduled_for,
-                               RunState.SCANNING.value, orjson.dumps(source).decode(), now)
+                               RunState.SCANNING.value, orjson.dumps(source).decode(),
+                               source.get("kind"), now)
             row = await conn.fetchrow(sql.SELECT_RUN, run_id)
             assert row is not None
             await self.db.notify(conn, "runs", run_id)
@@ -124,7 +131,15 @@ class PostgresLedger:
             rows = await self.db.read(sql.SELECT_RUNS, limit)
         else:
             rows = await self.db.read(sql.SELECT_RUNS_BEFORE, before, limit)
-        return [_run(r) for r in rows]
+        return [_run(r, listed=True) for r in rows]
+
+    async def get_runs(self, run_ids: Sequence[str]) -> dict[str, Run]:
+        rows = await self.db.read(sql.SELECT_RUNS_BY_ID, list(run_ids))
+        return {r[0]: _run(r, listed=True) for r in rows}
+
+    async def schedule_runs(self, schedule: str) -> list[Run]:
+        return [_run(r, listed=True) for r in await self.db.read(sql.SELECT_SCHEDULE_RUNS,
+                                                                 schedule)]
 
     async def run_counts(self, run_id: str) -> dict[OpState, int]:
         rows = await self.db.read(sql.COUNT_RUN_STATES, run_id)
@@ -242,8 +257,9 @@ class PostgresLedger:
         rows = await self.db.read(sql.SELECT_OPERATIONS_BY_STATE, state.value, after or "", limit)
         return [_op(r) for r in rows]
 
-    async def attempts(self, operation_id: str) -> list[Attempt]:
-        rows = await self.db.read(sql.SELECT_ATTEMPTS, operation_id)
+    async def attempts(self, operation_id: str, after: int = 0,
+                       limit: int | None = None) -> list[Attempt]:
+        rows = await self.db.read(sql.SELECT_ATTEMPTS, operation_id, limit, after)
         return [Attempt(*r) for r in rows]
 
     async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
@@ -255,12 +271,32 @@ class PostgresLedger:
             now = time.time()
             n = await _transition(conn, operation_id, OpState.IN_FLIGHT, None, count=1,
                                   now=now, owner=owner, holder=self.db.replica,
-                                  busy_until=now + busy_s if busy_s > 0 else None)
-            if supersedes_open:
-                await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, now, operation_id)
-            return int(await conn.fetchval(sql.INSERT_ATTEMPT, operation_id, n, kind, now))
+                                  busy_s=busy_s if busy_s > 0 else None)
+            insert = sql.SUPERSEDE_AND_INSERT_ATTEMPT if supersedes_open else sql.INSERT_ATTEMPT
+            return int(await conn.fetchval(insert, operation_id, n, kind, now))
 
         return await self.db.write(write)
+
+    async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           busy_s: float) -> bool:
+        async def write(conn: Conn) -> bool:
+            # Shared, like begin_attempt's: no peer reaps us while this commits.
+            if await conn.fetchval(sql.ALIVE, self.db.replica, self._fence_s) is None:
+                return False
+            status = await conn.execute(sql.KEEP_ATTEMPT, operation_id, attempt_id, owner,
+                                        self.db.replica, busy_s)
+            return bool(status == "UPDATE 1")
+
+        return await self.db.write(write)
+
+    async def owns_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           for_s: float) -> bool:
+        fresh_s = self._dead_after_s - for_s
+        if fresh_s <= 0:
+            return False  # no heartbeat is fresh enough (config refuses this)
+        row = await self.db.read_one(sql.OWNS_ATTEMPT, operation_id, attempt_id, owner,
+                                     self.db.replica, for_s, fresh_s)
+        return row is not None
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         async def write(conn: Conn) -> None:
@@ -295,7 +331,7 @@ class PostgresLedger:
                         await conn.execute(sql.DELETE_MESSAGE, s.operation_id,
                                            s.delivery.receipt)
                     elif retry:
-                        await conn.execute(sql.RETRY_MESSAGE, now + s.delay_s,
+                        await conn.execute(sql.RETRY_MESSAGE, s.delay_s,
                                            s.operation_id, s.delivery.receipt)
             await self._record_settled(conn, settled, now)
 
@@ -306,7 +342,8 @@ class PostgresLedger:
                 if s.delivery is not None and s.disposition is not Disposition.KEEP]
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
-                              reason: str, detail: str, status: int | None = None) -> bool:
+                              reason: str, detail: str, status: int | None = None,
+                              probe_after_s: float | None = None) -> bool:
         async def write(conn: Conn) -> None:
             if target is OpState.QUEUED:
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", self._finish_lock)
@@ -320,20 +357,22 @@ class PostgresLedger:
                                status, target.value, detail[:1000])
             if target in SETTLED and target is not op.state:
                 await self._record_settled(conn, [operation_id], now)
+            if target is OpState.AMBIGUOUS and probe_after_s is not None:
+                await conn.execute(sql.PUT_OFF_PROBE, now + probe_after_s, operation_id)
             if target is OpState.QUEUED:
                 await conn.execute(sql.REOPEN_RUN, op.run_id)
                 await conn.execute(sql.SETTLE_BOOKKEEPING, False, now, not self._owns_queue,
                                    operation_id)
                 if self._owns_queue:
                     await conn.execute(sql.INSERT_MESSAGE, operation_id, op.run_id,
-                                       op.recipient_id, now, now)
+                                       op.recipient_id, 0.0, now)
                     await self.db.notify(conn, "queue")
 
         await self.db.write(write)
         return target is OpState.QUEUED and not self._owns_queue
 
     async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
-        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, settled_before, limit)
+        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, settled_before, time.time(), limit)
         return [_op(r) for r in rows]
 
     async def overdue(self, before: float | None, unposted_before: float,
@@ -350,9 +389,10 @@ class PostgresLedger:
     async def stats(self) -> LedgerStats:
         ambiguous = await self.db.read_one(sql.COUNT_AMBIGUOUS)
         row = await self.db.read_one(sql.SELECT_CURRENT_RUN)
-        current = _run(row) if row else None
+        current = _run(row, listed=True) if row else None
         counts = await self.run_counts(current.id) if current else {}
-        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0, current_run=current,
+        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0,
+                           inconclusive=ambiguous[1] if ambiguous else 0, current_run=current,
                            current_run_by_state=counts)
 
     async def load_budget(self, key: str) -> dict[str, Any] | None:
@@ -428,19 +468,21 @@ class PostgresLedger:
 
 async def _transition(conn: Conn, operation_id: str, target: OpState, reason: str | None,
                       count: int, now: float, owner: str | None = None,
-                      holder: str | None = None, busy_until: float | None = None) -> int:
+                      holder: str | None = None, busy_s: float | None = None) -> int:
     """Move one operation to ``target`` in the caller's transaction; return its attempts.
+    ``busy_s``: hold it in flight that long, from the database's now.
     Raises (before anything is written) IllegalTransition, OperationBusy or KeyError."""
     n = await conn.fetchval(sql.transition(target, owner is not None), target.value, reason,
-                            count, now, owner, busy_until, operation_id, holder)
+                            count, now, owner, busy_s, operation_id, holder)
     if n is not None:
         return int(n)
     row = await conn.fetchrow(sql.SELECT_OP_STATE, operation_id)
     if row is None:
         raise KeyError(f"operation {operation_id} does not exist")
-    state, _, held_by, busy = row
-    if owner is not None and state == OpState.IN_FLIGHT.value and busy and busy > now \
+    state, _, held_by, busy, db_now = row
+    if owner is not None and state == OpState.IN_FLIGHT.value and busy and busy > db_now \
             and held_by != owner:
-        raise OperationBusy(operation_id, busy)
+        # The hold is on the database's clock; the caller waits on its own.
+        raise OperationBusy(operation_id, time.time() + (busy - db_now))
     states.check(operation_id, OpState(state), target)
     raise AssertionError(f"transition of {operation_id} refused for no known reason")

@@ -25,9 +25,11 @@ class LedgerConfig:
     schema: str = "cleanup"
     pool_size: int = 10
     # Each replica says it is alive this often; one silent for dead_after_seconds is
-    # dead, and whichever replica notices releases its leases and in-flight guards.
+    # dead, and whichever replica notices releases its leases and in-flight guards. It
+    # must exceed the partner's connect + request timeouts (+ one heartbeat): a request
+    # in the air is over before its replica can be declared dead.
     heartbeat_seconds: float = 1.0
-    dead_after_seconds: float = 5.0
+    dead_after_seconds: float = 20.0
     # How often a replica not holding a singleton role (scan, outbox, redrive, reconcile,
     # monitor) tries to take it: the takeover time after a holder dies.
     role_poll_seconds: float = 1.0
@@ -38,7 +40,7 @@ class LedgerConfig:
         if self.heartbeat_seconds * 2 > self.dead_after_seconds:
             out.append(f"ledger.dead_after_seconds ({self.dead_after_seconds}) must be at least "
                        f"twice ledger.heartbeat_seconds ({self.heartbeat_seconds})")
-        if not SCHEMA_NAME.match(self.schema):
+        if not SCHEMA_NAME.fullmatch(self.schema):
             out.append(f"ledger.schema must be a lower-case SQL identifier of at most 40 "
                        f"characters, got {self.schema!r}")
         if self.backend == "postgres" and self.dsn is None:

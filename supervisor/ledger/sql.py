@@ -18,6 +18,7 @@ CREATE TABLE IF NOT EXISTS runs (
     scheduled_for REAL,
     state TEXT NOT NULL,
     source TEXT NOT NULL,                   -- JSON: kind and, for inline runs, the IDs
+    source_kind TEXT,                       -- source's kind: what list reads show, without the JSON
     scan_cursor TEXT,                       -- the last committed page's cursor: the scan resumes here
     scan_pages INTEGER NOT NULL DEFAULT 0,
     discovered INTEGER NOT NULL DEFAULT 0,
@@ -30,6 +31,10 @@ CREATE TABLE IF NOT EXISTS runs (
 );
 CREATE INDEX IF NOT EXISTS runs_state ON runs(state);
 CREATE INDEX IF NOT EXISTS runs_created ON runs(created_at, id);
+-- Exclusions read a schedule's newest run and its unfinished ones, not every run ever.
+CREATE INDEX IF NOT EXISTS runs_schedule ON runs(schedule, created_at, id);
+CREATE INDEX IF NOT EXISTS runs_schedule_unfinished ON runs(schedule, created_at, id)
+    WHERE state != 'done';
 
 CREATE TABLE IF NOT EXISTS operations (
     id TEXT PRIMARY KEY,                    -- assigned once at discovery; the Idempotency-Key
@@ -142,6 +147,11 @@ ADDED_COLUMNS = (
     ("operations", "receives", "INTEGER NOT NULL DEFAULT 0"),
     ("operations", "received_at", "REAL"),
     ("operations", "leased_until", "REAL"),
+    ("runs", "source_kind", "TEXT"),
+)
+# A migrated file's runs get their kind from the JSON once, at open.
+BACKFILL_SOURCE_KIND = (
+    "UPDATE runs SET source_kind = json_extract(source, '$.kind') WHERE source_kind IS NULL"
 )
 # Work a migrated file had in the queue is due at once, and an operation whose embedded
 # message is there has that message live (else the first redrive republishes them all).
@@ -168,12 +178,15 @@ RUN_COLUMNS = (
     "discovered, skipped_candidates, scan_failures, last_error, created_at, "
     "scan_finished_at, finished_at"
 )
+# What list reads select: the source's kind instead of its JSON, which holds up to 10,000
+# IDs for an inline run (the scan alone needs them; it reads them with RUN_COLUMNS).
+LIST_RUN_COLUMNS = RUN_COLUMNS.replace("state, source,", "state, source_kind,")
 OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at, due_at"
 
 # runs
 INSERT_RUN = (
-    "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, created_at) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tick_key) DO NOTHING"
+    "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, source_kind, "
+    "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tick_key) DO NOTHING"
 )
 SELECT_RUN_BY_TICK = f"SELECT {RUN_COLUMNS} FROM runs WHERE tick_key = ?"
 SELECT_RECENT_RUN_OF_SCHEDULE = (
@@ -182,15 +195,25 @@ SELECT_RECENT_RUN_OF_SCHEDULE = (
 )
 SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = ?"
 SELECT_UNFINISHED_RUN = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
 )
-SELECT_RUNS = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC, id DESC LIMIT ?"
+SELECT_RUNS = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC, id DESC LIMIT ?"
 SELECT_RUNS_BEFORE = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE (created_at, id) < "
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE (created_at, id) < "
     "(SELECT created_at, id FROM runs WHERE id = ?) ORDER BY created_at DESC, id DESC LIMIT ?"
 )
+SELECT_RUNS_BY_ID = (
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE id IN (SELECT value FROM json_each(?))"
+)
+# A schedule's newest run and every unfinished one, oldest first: two index ranges
+# (runs_schedule, runs_schedule_unfinished), however many runs the schedule has had.
+SELECT_SCHEDULE_RUNS = (
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = :schedule AND state != 'done' "
+    f"UNION SELECT * FROM (SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = :schedule "
+    "ORDER BY created_at DESC, id DESC LIMIT 1) ORDER BY created_at, id"
+)
 SELECT_RUNS_TO_SCAN = f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
-SELECT_CURRENT_RUN = f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
+SELECT_CURRENT_RUN = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
 UPDATE_RUN_PAGE = (
     "UPDATE runs SET scan_cursor = ?, scan_pages = scan_pages + 1, "
     "discovered = discovered + ?, skipped_candidates = skipped_candidates + ? "
@@ -220,8 +243,13 @@ REOPEN_RUN = (
     "UPDATE runs SET state = 'draining', finished_at = NULL WHERE id = ? AND state = 'done'"
 )
 COUNT_RUN_STATES = "SELECT state, COUNT(*) FROM operations WHERE run_id = ? GROUP BY state"
-# Every second: only the unsettled (by the state index), never the whole history.
-COUNT_AMBIGUOUS = "SELECT COUNT(*) FROM operations WHERE state = 'ambiguous'"
+# Every second: only the unsettled (by the state index), never the whole history. An
+# inconclusive probe puts the next one off (due_at past the probe's own time): those are
+# the ambiguous operations whose last probe was inconclusive.
+COUNT_AMBIGUOUS = (
+    "SELECT COUNT(*), COUNT(*) FILTER (WHERE due_at > updated_at) FROM operations "
+    "WHERE state = 'ambiguous'"
+)
 
 # operations
 INSERT_OPERATION = (
@@ -344,10 +372,12 @@ def transition(target: OpState, guard_busy: bool, returning: bool = True) -> str
 SELECT_OPERATIONS_BY_STATE = (
     f"SELECT {OP_COLUMNS} FROM operations WHERE state = ? AND id > ? ORDER BY id LIMIT ?"
 )
+# Settled long enough, and not put off by an inconclusive probe (due_at: its backoff).
 SELECT_AMBIGUOUS_DUE = (
     f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= ? "
-    "ORDER BY updated_at LIMIT ?"
+    "AND COALESCE(due_at, 0) <= ? ORDER BY updated_at LIMIT ?"
 )
+PUT_OFF_PROBE = "UPDATE operations SET due_at = ? WHERE id = ?"
 INSERT_EVIDENCE = (
     "INSERT INTO attempts (operation_id, n, kind, started_at, finished_at, status, outcome, detail) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
@@ -361,15 +391,25 @@ FINISH_ATTEMPT = (
     "UPDATE attempts SET finished_at = ?, status = ?, outcome = ?, detail = ? "
     "WHERE id = ? AND outcome IS NULL"
 )
+SELECT_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE id = ? AND outcome IS NULL"
+# The attempt is still the one holding the operation in flight, for long enough.
+_OWNED = (
+    "id = :id AND state = 'in_flight' AND owner = :owner AND busy_until > :until AND EXISTS ("
+    " SELECT 1 FROM attempts a WHERE a.id = :attempt AND a.operation_id = :id"
+    " AND a.outcome IS NULL)"
+)
+OWNS_ATTEMPT = f"SELECT 1 FROM operations WHERE {_OWNED}"
+KEEP_ATTEMPT = f"UPDATE operations SET busy_until = :busy_until WHERE {_OWNED}"
 # A redelivery found the last attempt unfinished: its outcome is unknown for good.
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = ?, outcome = 'unknown', "
     "detail = 'no outcome recorded (process stopped or lease lost)' "
     "WHERE operation_id = ? AND outcome IS NULL"
 )
+# Paged by position in the operation's log (rows are only ever appended): LIMIT -1 is all.
 SELECT_ATTEMPTS = (
     "SELECT id, operation_id, n, kind, started_at, finished_at, status, outcome, detail "
-    "FROM attempts WHERE operation_id = ? ORDER BY id"
+    "FROM attempts WHERE operation_id = ? ORDER BY id LIMIT ? OFFSET ?"
 )
 
 # embedded queue

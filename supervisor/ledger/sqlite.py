@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import secrets
 import sqlite3
 import time
@@ -40,6 +41,8 @@ from supervisor.ledger.database import Database
 from supervisor.queue.base import Delivery, Message, QueueStats
 from supervisor.states import SETTLED, OpState, RunState
 
+log = logging.getLogger(__name__)
+
 _last_ms = 0
 _seq = 0
 
@@ -70,10 +73,12 @@ def new_run_id(now: float) -> str:
     return "run_" + time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + "_" + secrets.token_hex(3)
 
 
-def _run(row: sqlite3.Row | tuple[Any, ...]) -> Run:
+def _run(row: sqlite3.Row | tuple[Any, ...], listed: bool = False) -> Run:
+    """A run from RUN_COLUMNS, or (``listed``) from LIST_RUN_COLUMNS: its source's kind."""
     return Run(
         id=row[0], tick_key=row[1], schedule=row[2], scheduled_for=row[3],
-        state=RunState(row[4]), source=orjson.loads(row[5]), scan_cursor=row[6],
+        state=RunState(row[4]), source={"kind": row[5]} if listed else orjson.loads(row[5]),
+        scan_cursor=row[6],
         scan_pages=row[7], discovered=row[8], skipped_candidates=row[9],
         scan_failures=row[10], last_error=row[11], created_at=row[12],
         scan_finished_at=row[13], finished_at=row[14],
@@ -117,12 +122,13 @@ class SqliteLedger(outbox.OutboxMixin):
             if skip_if_unfinished:
                 busy = await _fetchone(conn, sql.SELECT_UNFINISHED_RUN, ())
                 if busy is not None:
-                    return OpenRunResult(None, created=False, skipped_for=_run(busy))
+                    return OpenRunResult(None, created=False,
+                                         skipped_for=_run(busy, listed=True))
             now = time.time()
             run_id = new_run_id(now)
             await conn.execute(sql.INSERT_RUN, (run_id, tick_key, schedule, scheduled_for,
                                                 RunState.SCANNING.value, orjson.dumps(source),
-                                                now))
+                                                source.get("kind"), now))
             row = await _fetchone(conn, sql.SELECT_RUN, (run_id,))
             assert row is not None
             return OpenRunResult(_run(row), created=True)
@@ -138,7 +144,16 @@ class SqliteLedger(outbox.OutboxMixin):
             rows = await self.db.read(sql.SELECT_RUNS, (limit,))
         else:
             rows = await self.db.read(sql.SELECT_RUNS_BEFORE, (before, limit))
-        return [_run(r) for r in rows]
+        return [_run(r, listed=True) for r in rows]
+
+    async def get_runs(self, run_ids: Sequence[str]) -> dict[str, Run]:
+        rows = await self.db.read(sql.SELECT_RUNS_BY_ID, (orjson.dumps(list(run_ids)).decode(),))
+        return {r[0]: _run(r, listed=True) for r in rows}
+
+    async def schedule_runs(self, schedule: str) -> list[Run]:
+        rows = await self.db.read(sql.SELECT_SCHEDULE_RUNS, {"schedule": schedule},
+                                  listing=True)  # an exclusions read: off the hot reader
+        return [_run(r, listed=True) for r in rows]
 
     async def run_counts(self, run_id: str) -> dict[OpState, int]:
         rows = await self.db.read(sql.COUNT_RUN_STATES, (run_id,))
@@ -228,15 +243,19 @@ class SqliteLedger(outbox.OutboxMixin):
 
     async def list_operations(self, run_id: str, state: OpState | None, after: str | None,
                               limit: int) -> list[Operation]:
+        # The API's and the exclusions' pages: on the listing connection (see Database).
         if state is None:
-            rows = await self.db.read(sql.SELECT_OPERATIONS, (run_id, after or "", limit))
+            rows = await self.db.read(sql.SELECT_OPERATIONS, (run_id, after or "", limit),
+                                      listing=True)
         else:
             rows = await self.db.read(sql.SELECT_OPERATIONS_IN_STATE,
-                                      (run_id, state.value, after or "", limit))
+                                      (run_id, state.value, after or "", limit), listing=True)
         return [_op(r) for r in rows]
 
-    async def attempts(self, operation_id: str) -> list[Attempt]:
-        rows = await self.db.read(sql.SELECT_ATTEMPTS, (operation_id,))
+    async def attempts(self, operation_id: str, after: int = 0,
+                       limit: int | None = None) -> list[Attempt]:
+        rows = await self.db.read(sql.SELECT_ATTEMPTS,
+                                  (operation_id, -1 if limit is None else limit, after))
         return [Attempt(*r) for r in rows]
 
     async def begin_attempt(self, operation_id: str, kind: str, owner: str = "",
@@ -253,6 +272,24 @@ class SqliteLedger(outbox.OutboxMixin):
         # The guarded transition is the first statement and raises before anything is
         # written, so this write needs no savepoint of its own.
         return await self.db.write(write, savepoint=False)
+
+    async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           busy_s: float) -> bool:
+        async def write(conn: aiosqlite.Connection) -> bool:
+            now = time.time()
+            cur = await conn.execute(sql.KEEP_ATTEMPT, {
+                "id": operation_id, "attempt": attempt_id, "owner": owner, "until": now,
+                "busy_until": now + busy_s})
+            return cur.rowcount == 1
+
+        return await self.db.write(write, savepoint=False)
+
+    async def owns_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           for_s: float) -> bool:
+        row = await self.db.read_one(sql.OWNS_ATTEMPT, {
+            "id": operation_id, "attempt": attempt_id, "owner": owner,
+            "until": time.time() + for_s})
+        return row is not None
 
     async def release_dead_owners(self) -> int:
         """Free every operation an attempt of a previous process holds in flight.
@@ -346,6 +383,14 @@ class SqliteLedger(outbox.OutboxMixin):
     async def _settle_many(self, conn: aiosqlite.Connection,
                            settlements: Sequence[Settlement]) -> bool:
         now = time.time()
+        # First, so that an attempt another delivery has superseded (closed) is found
+        # before anything moves: the one-by-one path then discards just that outcome.
+        finishing = [(now, s.status, s.outcome, s.detail, s.attempt_id)
+                     for s in settlements if s.attempt_id is not None]
+        before = conn.total_changes
+        await conn.executemany(sql.FINISH_ATTEMPT, finishing)
+        if conn.total_changes - before != len(finishing):
+            return False
         by_target: dict[OpState, list[dict[str, Any]]] = {}
         for s in settlements:
             by_target.setdefault(s.target, []).append(
@@ -357,9 +402,6 @@ class SqliteLedger(outbox.OutboxMixin):
                                    params)
             if conn.total_changes - before != len(params):
                 return False
-        await conn.executemany(sql.FINISH_ATTEMPT, [
-            (now, s.status, s.outcome, s.detail, s.attempt_id)
-            for s in settlements if s.attempt_id is not None])
         await conn.executemany(sql.SETTLE_BOOKKEEPING,
                                [self._bookkeeping(s, now) for s in settlements])
         await conn.executemany(sql.DELETE_MESSAGE, [
@@ -375,9 +417,21 @@ class SqliteLedger(outbox.OutboxMixin):
     async def _settle_each(self, conn: aiosqlite.Connection,
                            settlements: Sequence[Settlement]) -> None:
         now = time.time()
+        settled: list[str] = []
         for s in settlements:
+            if s.attempt_id is not None and await _fetchone(
+                    conn, sql.SELECT_OPEN_ATTEMPT, (s.attempt_id,)) is None:
+                # Another delivery's attempt closed this one (its guard ran out, or the
+                # operation was held as ambiguous): that attempt owns the operation now,
+                # and writing this outcome over it could undo what it decides.
+                _superseded(s)
+                continue
+            # Read first, so the guarded transition is still the first write and raises
+            # before anything is written (no savepoint needed for one settlement).
             await _transition(conn, s.operation_id, s.target, s.reason,
                               count=-1 if s.refund_attempt else 0, now=now)
+            if s.target in SETTLED:
+                settled.append(s.operation_id)
             if s.attempt_id is not None:
                 await conn.execute(sql.FINISH_ATTEMPT, (now, s.status, s.outcome,
                                                         s.detail, s.attempt_id))
@@ -393,8 +447,7 @@ class SqliteLedger(outbox.OutboxMixin):
                 elif s.disposition is Disposition.RETRY:
                     await conn.execute(sql.RETRY_MESSAGE,
                                        (now + s.delay_s, s.operation_id, token))
-        await outbox.record_settled(
-            conn, [s.operation_id for s in settlements if s.target in SETTLED], now)
+        await outbox.record_settled(conn, settled, now)
 
     def _bookkeeping(self, s: Settlement, now: float) -> dict[str, Any]:
         retry = s.disposition is Disposition.RETRY
@@ -405,7 +458,8 @@ class SqliteLedger(outbox.OutboxMixin):
                 "clear": retry and not self._owns_queue, "id": s.operation_id}
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
-                              reason: str, detail: str, status: int | None = None) -> bool:
+                              reason: str, detail: str, status: int | None = None,
+                              probe_after_s: float | None = None) -> bool:
         """Record a probe's or an operator's finding and move the operation on it.
 
         Returns True when the operation was queued again and the transport (when it is
@@ -422,6 +476,8 @@ class SqliteLedger(outbox.OutboxMixin):
                                                      status, target.value, detail[:1000]))
             if target in SETTLED and target is not op.state:  # an inconclusive probe: none
                 await outbox.record_settled(conn, [operation_id], now)
+            if target is OpState.AMBIGUOUS and probe_after_s is not None:
+                await conn.execute(sql.PUT_OFF_PROBE, (now + probe_after_s, operation_id))
             if target is OpState.QUEUED:
                 await conn.execute(sql.REOPEN_RUN, (op.run_id,))
                 # Due now, with no live message until it is published (redrive's cue
@@ -438,7 +494,7 @@ class SqliteLedger(outbox.OutboxMixin):
         return target is OpState.QUEUED and not self._owns_queue
 
     async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
-        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, (settled_before, limit))
+        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, (settled_before, time.time(), limit))
         return [_op(r) for r in rows]
 
     async def operations_in_state(self, state: OpState, after: str | None,
@@ -472,9 +528,10 @@ class SqliteLedger(outbox.OutboxMixin):
     async def stats(self) -> LedgerStats:
         ambiguous = await self.db.read_one(sql.COUNT_AMBIGUOUS)
         row = await self.db.read_one(sql.SELECT_CURRENT_RUN)
-        current = _run(row) if row else None
+        current = _run(row, listed=True) if row else None
         current_counts = await self.run_counts(current.id) if current else {}
-        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0, current_run=current,
+        return LedgerStats(ambiguous=ambiguous[0] if ambiguous else 0,
+                           inconclusive=ambiguous[1] if ambiguous else 0, current_run=current,
                            current_run_by_state=current_counts)
 
     async def load_budget(self, key: str) -> dict[str, Any] | None:
@@ -508,6 +565,12 @@ class SqliteLedger(outbox.OutboxMixin):
 
     async def close(self) -> None:
         await self.db.close()
+
+
+def _superseded(s: Settlement) -> None:
+    log.warning("operation %s: attempt %d was superseded by another delivery's; this "
+                "outcome (%s) is not recorded", s.operation_id, s.attempt_id, s.outcome,
+                extra={"action": "settlement_superseded"})
 
 
 def _batchable(s: Settlement) -> bool:

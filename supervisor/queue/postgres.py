@@ -52,8 +52,7 @@ class PostgresQueue:
 
     async def publish(self, messages: Sequence[Message], delay_s: float = 0.0) -> list[str]:
         now = time.time()
-        rows = [(m.operation_id, m.run_id, m.recipient_id, now + delay_s, now)
-                for m in messages]
+        rows = [(m.operation_id, m.run_id, m.recipient_id, delay_s, now) for m in messages]
 
         async def write(conn: Conn) -> None:
             await conn.executemany(sql.INSERT_MESSAGE, rows)
@@ -66,9 +65,10 @@ class PostgresQueue:
         token = secrets.token_hex(8)
 
         async def write(conn: Conn) -> list[Delivery]:
-            now = time.time()
-            rows = await conn.fetch(sql.CLAIM_MESSAGES, now + lease_s, token, self.db.replica,
-                                    now, max_messages)
+            # Leases on the database's clock: a replica whose own runs ahead cannot take
+            # a message whose lease a peer still holds.
+            rows = await conn.fetch(sql.CLAIM_MESSAGES, lease_s, token, self.db.replica,
+                                    max_messages)
             return [Delivery(Message(r[0], r[1], r[2]), r[1], token) for r in rows]
 
         return await self.db.write(write)
@@ -77,7 +77,8 @@ class PostgresQueue:
         # Clear before reading: a notification that lands during the read still wakes us.
         self._wakeup.clear()
         row = await self.db.read_one(sql.NEXT_AVAILABLE)
-        await wait_until_due(self._wakeup, row[0] if row is not None else None,
+        due_in = row[0] if row is not None else None
+        await wait_until_due(self._wakeup, None if due_in is None else time.time() + due_in,
                              min(timeout_s, FALLBACK_POLL_S))
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
@@ -90,7 +91,7 @@ class PostgresQueue:
 
     async def nack(self, delivery: Delivery, delay_s: float) -> None:
         async def write(conn: Conn) -> None:
-            await conn.execute(sql.RETRY_MESSAGE, time.time() + delay_s,
+            await conn.execute(sql.RETRY_MESSAGE, delay_s,
                                delivery.message.operation_id, delivery.receipt)
             if delay_s <= 0:
                 await self.db.notify(conn, "queue")
@@ -99,17 +100,19 @@ class PostgresQueue:
 
     async def extend(self, delivery: Delivery, lease_s: float) -> bool:
         async def write(conn: Conn) -> bool:
-            status = await conn.execute(sql.EXTEND_MESSAGE, time.time() + lease_s,
+            status = await conn.execute(sql.EXTEND_MESSAGE, lease_s,
                                         delivery.message.operation_id, delivery.receipt)
             return bool(status == "UPDATE 1")
 
         return await self.db.write(write)
 
     async def stats(self) -> QueueStats:
-        now = time.time()
-        row = await self.db.read_one(sql.QUEUE_STATS, now)
-        assert row is not None
-        return QueueStats.from_row(tuple(row), now)
+        row = await self.db.read_one(sql.QUEUE_STATS)
+        if row is None:  # no message at all
+            return QueueStats(depth=0, parked=0, leased=0, oldest_claimable_age_s=0.0)
+        # The oldest's age comes measured on the database's clock.
+        return QueueStats(depth=row[0], parked=row[1], leased=row[2],
+                          oldest_claimable_age_s=max(0.0, row[3] or 0.0))
 
     async def close(self) -> None:
         """Nothing of its own: the ledger closes the shared database."""

@@ -15,6 +15,7 @@ tests/integration; PostgreSQL's replicas are in tests/integration/test_pg_queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -80,13 +81,16 @@ async def open_backend(name: str, tmp_path: Path, pg: Any) -> AsyncIterator[Back
     pgdb = PgDatabase(pg.dsn, pg.schema, "contract-replica")
     await pgdb.open(pg_sql.MIGRATIONS)
     roles = AdvisoryRoles(pg.dsn, pg.schema, 1.0)
+    membership = Membership(pgdb, LedgerConfig(), roles)
     try:
         # No attempt starts on a replica that is not registered and fresh: join first.
         # The fence is wide here (a slow test must not trip it); test_pg_queue.py has it.
-        await Membership(pgdb, LedgerConfig(), roles).join()
-        yield Backend(name, PostgresLedger(pgdb, owns_queue=owns_queue, fence_s=60.0),
+        await membership.join()
+        yield Backend(name, PostgresLedger(pgdb, owns_queue=owns_queue, fence_s=60.0,
+                                           dead_after_s=600.0),
                       PostgresQueue(pgdb) if owns_queue else None)
     finally:
+        await membership.close()
         await roles.close()
         await pgdb.close()
 
@@ -278,6 +282,53 @@ class TestLedgerContract:
         assert (got.id, got.tick_key, got.state) == (ids[1], "weekly@1", RunState.SCANNING)
         assert await ledger.get_run("run_nope") is None
         assert [r.id for r in await ledger.runs_to_scan()] == ids  # oldest first
+
+    async def test_list_reads_carry_the_source_kind_not_its_ids(self, backend: Backend) -> None:
+        """An inline run's source holds up to 10,000 IDs: only the scan reads them."""
+        ledger = backend.ledger
+        source = {"kind": "inline", "ids": [f"r-{i}" for i in range(1000)]}
+        opened = await ledger.open_run("weekly@1", "weekly", None, source, False)
+        assert opened.run is not None
+        assert opened.run.source == source
+        run_id = opened.run.id
+        full = await ledger.get_run(run_id)
+        assert full is not None
+        assert full.source == source
+        [scan] = await ledger.runs_to_scan()
+        assert scan.source == source
+        [listed] = await ledger.list_runs(10)
+        assert listed.source == {"kind": "inline"}
+        assert listed == dataclasses.replace(full, source={"kind": "inline"})
+        assert await ledger.get_runs([run_id, "run_nope"]) == {run_id: listed}
+        assert await ledger.get_runs([]) == {}
+        assert await ledger.schedule_runs("weekly") == [listed]
+        stats = await ledger.stats()
+        assert stats.current_run == listed
+        skipped = await ledger.open_run("weekly@2", "weekly", None, source, True)
+        assert skipped.skipped_for == listed
+
+    async def test_schedule_runs_are_its_newest_and_its_unfinished(self, backend: Backend) -> None:
+        ledger = backend.ledger
+        assert await ledger.schedule_runs("weekly") == []
+
+        async def finished(tick: str, schedule: str = "weekly") -> str:
+            run = await open_run(ledger, tick, schedule=schedule)
+            await ledger.record_page(run.id, [], None, 0)
+            assert await ledger.finish_runs() == [run.id]
+            return run.id
+
+        old = [await finished(f"weekly@{i}") for i in range(3)]
+        # Only the newest of the finished ones: the digest's current run.
+        assert [r.id for r in await ledger.schedule_runs("weekly")] == [old[-1]]
+        draining = await open_run(ledger, "weekly@d")
+        await ledger.record_page(draining.id, ["a"], None, 0)
+        newest = await open_run(ledger, "weekly@n")
+        other = await finished("daily@1", schedule="daily")
+        # Unfinished ones of the schedule, oldest first, then the newest; a finished one
+        # that is not the newest and another schedule's run are not among them.
+        assert [r.id for r in await ledger.schedule_runs("weekly")] == [draining.id, newest.id]
+        assert [r.id for r in await ledger.schedule_runs("daily")] == [other]
+        assert await ledger.schedule_runs("hourly") == []
 
     # -- discovery -------------------------------------------------------------------------
 
@@ -672,6 +723,84 @@ class TestLedgerContract:
         assert [(a.id, a.outcome) for a in await ledger.attempts(op_id)][1:] == [
             (second, None), (third, None)]
 
+    async def test_a_settlement_of_a_superseded_attempt_is_discarded(
+            self, backend: Backend) -> None:
+        """Attempt A is superseded by B (a second delivery after A's guard ran out); A's
+        late answer, whatever it is, changes nothing: the operation is B's. Even once B
+        has settled it, A's 5xx is no illegal move (DELETED -> RETRY_WAIT), just dropped."""
+        ledger, queue = backend.ledger, backend.queue
+        run = await discovered_run(backend, ["a", "b"])
+        d1, d2 = await queue.receive(2, 60)
+        ops = [d1.message.operation_id, d2.message.operation_id]
+        for d, op_id in zip((d1, d2), ops, strict=True):
+            a = await ledger.begin_attempt(op_id, "delete")
+            b = await ledger.begin_attempt(op_id, "delete", supersedes_open=True)
+            late = Settlement(op_id, OpState.DELETED, d, Disposition.ACK, attempt_id=a,
+                              status=204, outcome="deleted", detail="HTTP 204 (A)")
+            await ledger.settle([late])
+            op = await operation(ledger, op_id)
+            assert (op.state, op.attempts, op.unfinished_attempt) == (
+                OpState.IN_FLIGHT, 2, True)
+            assert [(x.id, x.outcome) for x in await ledger.attempts(op_id)] == [
+                (a, "unknown"), (b, None)]
+            await ledger.settle([Settlement(op_id, OpState.DELETED, d, Disposition.ACK,
+                                            attempt_id=b, status=204, outcome="deleted",
+                                            detail="HTTP 204 (B)")])
+            # A's second answer (a retried 5xx, say) after B settled: discarded too,
+            # alone and in a group with a settlement that does apply.
+            retry = Settlement(op_id, OpState.RETRY_WAIT, d, Disposition.RETRY, delay_s=5,
+                               attempt_id=a, status=503, outcome="transient")
+            await ledger.settle([retry])
+        await ledger.settle([retry, Settlement(ops[0], OpState.RETRY_WAIT, d1,
+                                               Disposition.RETRY, attempt_id=a,
+                                               outcome="transient")])
+        for op_id in ops:
+            op = await operation(ledger, op_id)
+            assert (op.state, op.attempts, op.unfinished_attempt) == (OpState.DELETED, 2, False)
+            assert [(x.outcome, x.detail) for x in await ledger.attempts(op_id)][1] == (
+                "deleted", "HTTP 204 (B)")
+        assert await ledger.run_counts(run.id) == {OpState.DELETED: 2}
+        assert ledger.healthy
+        # One settled event per operation: B's, not A's.
+        events = await ledger.events_after(0, 100)
+        assert sorted(e.operation_id for e in events if e.kind == "operation.settled") == \
+            sorted(ops)
+
+    async def test_an_attempt_is_owned_until_superseded_settled_or_its_hold_runs_out(
+            self, backend: Backend) -> None:
+        ledger, queue = backend.ledger, backend.queue
+        await discovered_run(backend, ["a", "b"])
+        d1, d2 = await queue.receive(2, 60)
+        op_id = d1.message.operation_id
+        a = await ledger.begin_attempt(op_id, "delete", owner="lease-1", busy_s=30)
+        assert await ledger.owns_attempt(op_id, a, "lease-1", 10)
+        assert not await ledger.owns_attempt(op_id, a, "lease-2", 10)  # not its owner
+        assert not await ledger.owns_attempt(op_id, a, "lease-1", 60)  # not held that long
+        assert not await ledger.keep_attempt(op_id, a, "lease-2", 120)
+        assert await ledger.keep_attempt(op_id, a, "lease-1", 120)
+        assert await ledger.owns_attempt(op_id, a, "lease-1", 60)
+        # Kept: another delivery still finds it busy.
+        with pytest.raises(OperationBusy) as info:
+            await ledger.begin_attempt(op_id, "delete", owner="lease-2", busy_s=30)
+        assert info.value.until > time.time() + 100
+        # The holder's own next attempt supersedes it: the first one is nobody's now.
+        b = await ledger.begin_attempt(op_id, "delete", owner="lease-1", busy_s=30,
+                                       supersedes_open=True)
+        assert not await ledger.owns_attempt(op_id, a, "lease-1", 0)
+        assert not await ledger.keep_attempt(op_id, a, "lease-1", 30)
+        assert await ledger.owns_attempt(op_id, b, "lease-1", 0)
+        await ledger.settle([Settlement(op_id, OpState.DELETED, d1, attempt_id=b,
+                                        outcome="deleted")])
+        assert not await ledger.owns_attempt(op_id, b, "lease-1", 0)
+        assert not await ledger.keep_attempt(op_id, b, "lease-1", 30)
+        # A hold that ran out is not kept, even for its owner: another may have passed it.
+        other = d2.message.operation_id
+        c = await ledger.begin_attempt(other, "delete", owner="lease-3", busy_s=0.01)
+        await asyncio.sleep(0.05)  # the hold is a deadline on a clock: let it pass
+        assert not await ledger.owns_attempt(other, c, "lease-3", 0)
+        assert not await ledger.keep_attempt(other, c, "lease-3", 30)
+        assert ledger.healthy
+
     async def test_an_operation_in_flight_elsewhere_is_busy(self, backend: Backend) -> None:
         ledger, queue = backend.ledger, backend.queue
         await discovered_run(backend, ["a"])
@@ -723,6 +852,35 @@ class TestLedgerContract:
         assert [op.id for op in await ledger.operations_in_state(OpState.AMBIGUOUS, None,
                                                                  10)] == [op_id]
         assert (await ledger.stats()).ambiguous == 1
+
+    async def test_an_inconclusive_probe_puts_the_next_one_off(self, backend: Backend) -> None:
+        ledger = backend.ledger
+        _, op_id = await self._ambiguous(backend)
+        assert (await ledger.stats()).inconclusive == 0
+        await ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
+                                     "inconclusive: probe HTTP 500", probe_after_s=600.0)
+        op = await operation(ledger, op_id)
+        assert op.due_at == pytest.approx(op.updated_at + 600.0)
+        assert await ledger.ambiguous_due(time.time() + 3600, 10) == []  # put off
+        assert ((await ledger.stats()).ambiguous, (await ledger.stats()).inconclusive) == (1, 1)
+        await ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
+                                     "inconclusive: probe HTTP 500", probe_after_s=0.0)
+        assert [o.id for o in await ledger.ambiguous_due(time.time() + 1, 10)] == [op_id]
+        await ledger.record_evidence(op_id, "operator", OpState.DELETED, "by hand", "ops: ok")
+        assert (await ledger.stats()).inconclusive == 0
+
+    async def test_attempts_are_paged_in_the_order_written(self, backend: Backend) -> None:
+        ledger = backend.ledger
+        _, op_id = await self._ambiguous(backend)
+        for i in range(5):
+            await ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
+                                         f"inconclusive {i}")
+        everything = await ledger.attempts(op_id)
+        assert [a.detail for a in everything][1:] == [f"inconclusive {i}" for i in range(5)]
+        assert await ledger.attempts(op_id, 0, 2) == everything[:2]
+        assert await ledger.attempts(op_id, 2, 2) == everything[2:4]
+        assert await ledger.attempts(op_id, 4, 10) == everything[4:]
+        assert await ledger.attempts(op_id, 6, 10) == []
 
     async def test_evidence_moves_an_ambiguous_operation(self, backend: Backend) -> None:
         ledger, queue = backend.ledger, backend.queue

@@ -119,6 +119,67 @@ class TestRateBudgetContract:
         budget.release(grant, Feedback(Outcome.OK, 0.001))
         assert budget.snapshot().in_flight == 0
 
+    async def test_admit_takes_the_slot_and_waits_out_a_hold_grant_paces(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger, concurrency=1)
+        await budget.start()
+        until = time.time() + 0.3
+        budget.pause(until, "test")
+        admission = await asyncio.wait_for(budget.admit(), 2.0)
+        assert admission.at >= until
+        assert budget.snapshot().in_flight == 1  # the slot is held from the admission on
+        # The only slot is taken: a second admission waits for it.
+        second = asyncio.ensure_future(budget.admit())
+        done, _ = await asyncio.wait({second}, timeout=0.1)
+        assert not done
+        grant = await asyncio.wait_for(budget.grant(admission), 2.0)
+        assert grant is not None
+        assert grant.at >= admission.at
+        budget.release(grant, Feedback(Outcome.OK, 0.001))
+        other = await asyncio.wait_for(second, 2.0)
+        budget.withdraw(other)  # unused: the slot is free again
+        budget.withdraw(other)  # and only once
+        assert budget.snapshot().in_flight == 0
+
+    async def test_a_hold_after_the_admission_grants_nothing_and_frees_the_slot(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger, concurrency=2)
+        await budget.start()
+        admission = await budget.admit()
+        budget.pause(time.time() + 60, "a Retry-After after the attempt was written")
+        assert await asyncio.wait_for(budget.grant(admission), 1.0) is None
+        assert budget.snapshot().in_flight == 0
+        budget.withdraw(admission)  # spent by grant(): changes nothing
+        assert budget.snapshot().in_flight == 0
+
+    async def test_a_hold_beginning_while_grant_waits_ends_the_wait(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger, rate_per_second=2.0, concurrency=4)
+        await budget.start()
+        first = await budget.acquire()  # the next token is about half a second away
+        admission = await budget.admit()
+        waiting = asyncio.ensure_future(budget.grant(admission))
+        done, _ = await asyncio.wait({waiting}, timeout=0.05)
+        assert not done
+        budget.release(first, Feedback(Outcome.THROTTLED, 0.001, 60.0))
+        assert await asyncio.wait_for(waiting, 2.0) is None
+        assert budget.snapshot().in_flight == 0
+
+    async def test_cancelling_grant_frees_the_slot(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        budget = make(ledger, rate_per_second=1.0, concurrency=4)
+        await budget.start()
+        budget.release(await budget.acquire(), Feedback(Outcome.OK, 0.001))
+        admission = await budget.admit()
+        waiting = asyncio.ensure_future(budget.grant(admission))
+        done, _ = await asyncio.wait({waiting}, timeout=0.05)
+        assert not done
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert budget.snapshot().in_flight == 0
+        budget.withdraw(admission)
+        assert budget.snapshot().in_flight == 0
+
     async def test_what_was_learnt_survives_a_new_life(self, make: Factory,
                                                        ledger: SqliteLedger) -> None:
         quota = (QuotaConfig(limit=10, period_seconds=600.0, name="ten"),)

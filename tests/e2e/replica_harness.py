@@ -24,9 +24,12 @@ SINGLETONS = ("scan", "publisher", "redrive", "monitor")
 
 
 def replica_overrides(schema: str) -> Sections:
+    # dead_after must exceed connect + request timeouts + a heartbeat: short ones here,
+    # the sandbox answers in milliseconds.
     return {"ledger": {"backend": "postgres", "schema": schema,
                        "heartbeat_seconds": 0.5, "dead_after_seconds": 3.0,
                        "role_poll_seconds": 0.5},
+            "partner": {"connect_timeout_seconds": 0.5, "request_timeout_seconds": 1.5},
             "queue": {"backend": "postgres"}}
 
 

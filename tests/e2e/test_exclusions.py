@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
 import orjson
 import pytest
 
@@ -160,3 +161,86 @@ async def test_runs_draining_together_are_all_excluded_and_a_foreign_cursor_is_a
     status, doc = await svc.request("GET", f"/v1/exclusions?schedule=e2e&after={op['id']}")
     assert status == 409, doc
     assert "start again" in doc["error"]
+
+
+# -- reads held open do not slow the drain (issue 17, M7) -------------------------------------
+
+RATE = 100.0  # the partner's documented limit, and so the run's pace: N/R seconds a run
+RUN_SIZE = 1200
+LONG_POLLS = 500
+STREAMS = 20
+
+
+def _settle_rate(log: list[dict], prefix: str) -> tuple[int, float, float]:
+    """How many of one run's recipients the partner executed, and how fast by its own
+    clock: over the whole run, and over the middle 80 % of its executions (the steady
+    drain, without the second the 500 connections take to open at the start)."""
+    times = sorted(e["t"] for e in log if e["recipient_id"].startswith(prefix))
+    lo, hi = len(times) // 10, len(times) - len(times) // 10 - 1
+    return (len(times), (len(times) - 1) / (times[-1] - times[0]),
+            (hi - lo) / (times[hi] - times[lo]))
+
+
+async def test_500_long_polls_and_20_streams_leave_the_settle_rate_as_it_was(e2e):
+    """A digest builder (or anyone with the viewer token) holding 500 long-polls and 20
+    exclusions streams open during a run: the run settles as fast as the same run does
+    with none, both at the partner's rate."""
+    sandbox = await e2e.sandbox("--recipients", 10, "--rate", 0)
+    svc = e2e.service(sandbox, {"limits": {"rate_per_second": RATE, "concurrency": 8},
+                                "source": {"kind": "inline"},
+                                "schedule": {"name": "weekly"}})
+    svc.env["CLEANUP_STATUS_TOKEN"] = VIEWER_TOKEN
+    await svc.start()
+    viewer = {"Authorization": f"Bearer {VIEWER_TOKEN}"}
+
+    quiet = await svc.open_run(recipient_ids=[f"quiet-{i:05d}" for i in range(RUN_SIZE)],
+                               scheduled_for="2026-01-05T02:00:00+00:00")
+    await svc.wait_done(quiet)
+
+    loaded = await svc.open_run(recipient_ids=[f"loaded-{i:05d}" for i in range(RUN_SIZE)],
+                                scheduled_for="2026-01-12T02:00:00+00:00")
+    done = asyncio.Event()
+    streamed = [0] * STREAMS
+
+    async def long_poll() -> int:
+        async with readers.get(f"{svc.url}/v1/runs/{loaded}?wait=done&timeout=60",
+                               headers=viewer) as resp:
+            body = await resp.read()
+            assert resp.status == 200, body
+            return int(orjson.loads(body)["state"] == "done")
+
+    async def stream(i: int) -> None:
+        while not done.is_set():  # one stream after another, for the whole run
+            async with readers.get(f"{svc.url}/v1/exclusions?schedule=weekly&format=jsonl",
+                                   headers=viewer) as resp:
+                assert resp.status == 200, await resp.read()
+                body = await resp.read()
+            assert body.rstrip().rpartition(b"\n")[2].startswith(b'{"end":true'), body[-200:]
+            streamed[i] += 1
+
+    # A connection per read: the harness's session holds at most 100.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=90)) as readers:
+        polls = [asyncio.create_task(long_poll()) for _ in range(LONG_POLLS)]
+        streams = [asyncio.create_task(stream(i)) for i in range(STREAMS)]
+        try:
+            finished = await svc.wait_done(loaded)  # the 501st long-poll (another token)
+        finally:
+            done.set()
+            await asyncio.gather(*streams)
+        answered = await asyncio.gather(*polls)
+    assert sum(answered) == LONG_POLLS  # every one held to the end, answered "done"
+    assert min(streamed) >= 1, streamed  # every stream kept reading while the run drained
+    assert finished["counts"]["already_absent"] == RUN_SIZE
+
+    log = await sandbox.log()
+    n_quiet, quiet_whole, quiet_rate = _settle_rate(log, "quiet-")
+    n_loaded, loaded_whole, loaded_rate = _settle_rate(log, "loaded-")
+    assert (n_quiet, n_loaded) == (RUN_SIZE, RUN_SIZE)
+    print(f"settle rate (middle 80 %, whole run): quiet {quiet_rate:.1f}/s, {quiet_whole:.1f}/s;"
+          f" with {LONG_POLLS} long-polls and {STREAMS} streams ({sum(streamed)} streamed in "
+          f"all) {loaded_rate:.1f}/s, {loaded_whole:.1f}/s; R = {RATE:g}/s, N/R = "
+          f"{RUN_SIZE / RATE:.0f} s")
+    # The quiet run is bound by the rate (a loaded machine may shave some off it).
+    assert quiet_rate >= 0.75 * RATE, quiet_rate
+    assert loaded_rate >= 0.9 * quiet_rate, (quiet_rate, loaded_rate)

@@ -17,10 +17,11 @@ from supervisor.config import Config
 from supervisor.http import ApiState, create_app
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient
 from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
-from supervisor.runs import Broadcast, RunOpener
+from supervisor.runs import RunOpener, RunWatch
 
 TOKEN = "trigger-token-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -35,6 +36,7 @@ class Api:
     db: Database
     scan_wakeup: asyncio.Event
     budget: LocalBudget
+    monitor: Monitor
 
     async def counts(self) -> tuple[int, int, int]:
         """Rows in runs, operations, messages: to prove a rejected request wrote nothing."""
@@ -46,7 +48,8 @@ class Api:
         return out[0], out[1], out[2]
 
     async def notify_runs_changed(self) -> None:
-        """What the monitor does after each pass."""
+        """What the monitor does after each pass: read the watched runs, then notify."""
+        await self.monitor.read_watched()
         self.state.runs_changed.notify()
 
 
@@ -70,16 +73,18 @@ async def running_api(cfg: Config, routes: Callable[[web.Application], None] | N
     scan_wakeup = asyncio.Event()
     opener = RunOpener(cfg, ledger, scan_wakeup)
     reconciler = Reconciler(cfg.partner, ledger, queue, limiter, partner)
+    runs_changed = RunWatch()
     state = ApiState(config=cfg, ledger=ledger, opener=opener, reconciler=reconciler,
-                     ready=lambda: (True, {"ledger": True}), runs_changed=Broadcast(),
+                     ready=lambda: (True, {"ledger": True}), runs_changed=runs_changed,
                      current_rate=lambda: limiter.snapshot().rate, budget=limiter)
+    monitor = Monitor(ledger, queue, limiter, runs_changed)
     app = create_app(state)
     if routes is not None:
         routes(app)
     client: TestClient[object, object] = TestClient(TestServer(app, host="127.0.0.1", port=0))
     await client.start_server()
     try:
-        yield Api(client, state, ledger, queue, db, scan_wakeup, limiter)
+        yield Api(client, state, ledger, queue, db, scan_wakeup, limiter, monitor)
     finally:
         await client.close()
         await db.close()

@@ -10,6 +10,7 @@ import aiosqlite
 import pytest
 
 from supervisor.errors import StorageError
+from supervisor.ledger import sql
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.queue.base import Message
@@ -185,7 +186,7 @@ async def test_a_ledger_of_the_previous_release_gains_the_bookkeeping(tmp_path: 
             recipient_id TEXT NOT NULL, available_at REAL NOT NULL, lease_token TEXT,
             receives INTEGER NOT NULL DEFAULT 0, enqueued_at REAL NOT NULL);
         INSERT INTO runs (id, tick_key, schedule, state, source, created_at)
-            VALUES ('run_1', 'weekly@1', 'weekly', 'draining', '{}', 1);
+            VALUES ('run_1', 'weekly@1', 'weekly', 'draining', '{"kind": "http"}', 1);
         INSERT INTO operations (id, run_id, recipient_id, state, created_at, updated_at)
             VALUES ('op_1', 'run_1', 'r-1', 'queued', 1, 5), ('op_2', 'run_1', 'r-2', 'deleted', 1, 6);
         INSERT INTO messages VALUES ('op_1', 'run_1', 'r-1', 5, NULL, 0, 5);
@@ -201,8 +202,23 @@ async def test_a_ledger_of_the_previous_release_gains_the_bookkeeping(tmp_path: 
         assert await ledger.overdue(None, 1e12, 10) == []  # its message is live
         stats = await ledger.queue_stats()
         assert stats.depth == 1
+        # Its runs gain their source's kind: list reads show it without the JSON.
+        [run] = await ledger.list_runs(10)
+        assert run.source == {"kind": "http"}
+        assert [r.id for r in await ledger.schedule_runs("weekly")] == ["run_1"]
     finally:
         await db.close()
+
+
+async def test_exclusions_read_a_schedules_runs_through_an_index(db: Database) -> None:
+    """However many runs a schedule has had, its newest and unfinished ones are two index
+    ranges, never a scan of the runs table (issue 17, M7)."""
+    plan = await db.read(f"EXPLAIN QUERY PLAN {sql.SELECT_SCHEDULE_RUNS}", {"schedule": "w"})
+    details = [str(r[3]) for r in plan]
+    assert not [d for d in details if d.startswith("SCAN runs")], details
+    searches = {d.partition(" (")[0] for d in details if d.startswith("SEARCH runs")}
+    assert searches == {"SEARCH runs USING INDEX runs_schedule_unfinished",
+                        "SEARCH runs USING INDEX runs_schedule"}, details
 
 
 class WriterBug(BaseException):

@@ -39,6 +39,7 @@ from supervisor.events.settings import EventsConfig, SinkConfig
 from supervisor.events.sinks import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
+    SinkError,
     WebhookSink,
     batch_body,
     idempotency_key,
@@ -105,6 +106,7 @@ class Hook:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/hook"
         self.status = 200
+        self.refusal = "down for maintenance"  # the body of a refusal
         self.events: list[dict[str, Any]] = []  # in arrival order, duplicates included
         self.requests: list[tuple[str, list[str]]] = []  # (Idempotency-Key, event IDs)
         self.refused = 0  # requests answered with a non-2xx status
@@ -124,7 +126,7 @@ class Hook:
             return web.Response(status=401)
         if self.status != 200:
             self.refused += 1
-            return web.Response(status=self.status, text="down for maintenance")
+            return web.Response(status=self.status, text=self.refusal)
         events = orjson.loads(body)["events"]
         self.events += events
         self.requests.append((request.headers["Idempotency-Key"], [e["id"] for e in events]))
@@ -477,6 +479,45 @@ async def test_webhook_requests_are_signed_and_keyed_by_event_id(ledger: SqliteL
     assert hook.requests == [(one.id, [one.id]),
                              (f"{three[0].id}..{three[-1].id}", [e.id for e in three])]
     assert idempotency_key(three) == f"{three[0].id}..{three[-1].id}"
+
+
+async def test_a_receivers_error_text_is_escaped_bounded_and_its_url_tokens_cut(
+        ledger: SqliteLedger) -> None:
+    """Issue 17, L8: what a sink answers goes into logs; it cannot forge a line there, nor
+    fill it, and a token in a sink's URL does not reach it through aiohttp's errors."""
+    hook = Hook()
+    hook.status = 500
+    hook.refusal = "oops\n2026-01-01 INFO supervisor: operator logged in\x1b[2J" + "x" * 5000
+    await hook.start()
+    run = await open_run(ledger, ["r-1"])
+    await settle(ledger, (await operation_ids(ledger, run.id))[0], OpState.DELETED)
+    [event] = await all_events(ledger)
+    sink = WebhookSink(webhook(unique("chatty"), hook))
+    await sink.start()
+    try:
+        with pytest.raises(SinkError) as refused:
+            await sink.deliver([event])
+    finally:
+        await sink.close()
+        await hook.stop()
+    text = str(refused.value)
+    assert text.startswith("HTTP 500: oops\\n2026-01-01 INFO"), text
+    assert "\n" not in text
+    assert "\x1b" not in text
+    assert len(text) < 300
+    secret_url = "http://user:pw-secret@127.0.0.1:99999/hooks/sk_live_TOKEN?sig=TOKEN2"
+    sink = WebhookSink(SinkConfig(name=unique("bad-url"), kind="webhook", url=secret_url,
+                                  secret_env="HOOK_SECRET", secret=Secret(SECRET)))
+    await sink.start()
+    try:
+        with pytest.raises(SinkError) as failed:
+            await sink.deliver([event])
+    finally:
+        await sink.close()
+    text = str(failed.value)
+    assert "http://127.0.0.1:99999/..." in text, text
+    assert "TOKEN" not in text, text
+    assert "pw-secret" not in text, text
 
 
 async def test_a_wrong_secret_is_refused_and_retried_not_skipped(ledger: SqliteLedger) -> None:

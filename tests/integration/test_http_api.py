@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
+from supervisor import config as config_module
 from supervisor.errors import StorageError
 from supervisor.http import MAX_INLINE_IDS
 from supervisor.ledger.base import Settlement
 from supervisor.queue.courier import Courier
+from supervisor.readcaps import holder_of
 from supervisor.states import OpState
 
 from .http_app import AUTH, TOKEN, Api, load_config, running_api
@@ -165,6 +167,10 @@ async def test_json_content_type_with_charset_is_fine(api: Api) -> None:
     (b'{"schedule": "", "recipient_ids": ["a"]}', "schedule must be a string"),
     (b'{"schedule": 7, "recipient_ids": ["a"]}', "schedule must be a string"),
     (b'{"schedule": "a\\tb", "recipient_ids": ["a"]}', "schedule must be a string"),
+    # One rule for schedule names (L10): what exclusions cannot name is not accepted.
+    (b'{"schedule": "weekly ", "recipient_ids": ["a"]}', "schedule must be a string"),
+    (b'{"schedule": "w\\u00f6chentlich", "recipient_ids": ["a"]}', "schedule must be a string"),
+    (b'{"schedule": "a@b", "recipient_ids": ["a"]}', "schedule must be a string"),
     (b'{"scheduled_for": "yesterday", "recipient_ids": ["a"]}', "ISO 8601"),
     (b'{"scheduled_for": "2024-01-01T02:00:00", "recipient_ids": ["a"]}', "UTC offset"),
     (b'{"scheduled_for": true, "recipient_ids": ["a"]}', "ISO 8601"),
@@ -383,6 +389,39 @@ async def test_operation_view_with_attempts(api: Api) -> None:
         (1, 204, "deleted")]
 
 
+async def test_attempts_log_is_paged(api: Api) -> None:
+    """An operation probed for weeks has hundreds of rows: a page of them, and a cursor."""
+    await _run_with_operations(api, 1)
+    [message] = await api.ledger.unpublished(1)
+    op_id = message.operation_id
+    attempt = await api.ledger.begin_attempt(op_id, "delete")
+    await api.ledger.settle([Settlement(op_id, OpState.AMBIGUOUS, None, attempt_id=attempt,
+                                        outcome="ambiguous")])
+    for i in range(6):
+        await api.ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
+                                         f"inconclusive {i}")
+    details: list[str | None] = []
+    after: str | None = "0"
+    pages = 0
+    while after is not None:
+        status, doc = await call(api, "GET", f"/v1/operations/{op_id}", headers=AUTH,
+                                 params={"attempts_limit": "3", "attempts_after": after})
+        assert status == 200
+        assert len(doc["attempts_log"]) <= 3
+        details += [a["detail"] for a in doc["attempts_log"]]
+        after, pages = doc["attempts_next"], pages + 1
+    assert pages == 3
+    assert details == [None, *[f"inconclusive {i}" for i in range(6)]]
+    status, doc = await call(api, "GET", f"/v1/operations/{op_id}", headers=AUTH)
+    assert (len(doc["attempts_log"]), doc["attempts_next"]) == (7, None)  # default: 100
+    for query in ({"attempts_limit": "0"}, {"attempts_limit": "1001"},
+                  {"attempts_after": "-1"}, {"attempts_after": "x"}):
+        status, doc = await call(api, "GET", f"/v1/operations/{op_id}", headers=AUTH,
+                                 params=query)
+        assert status == 400, query
+        assert next(iter(query)) in doc["error"]
+
+
 # -- long-poll ---------------------------------------------------------------------------------
 
 
@@ -419,6 +458,111 @@ async def test_wait_done_on_a_done_run_returns_at_once(api: Api) -> None:
     status, doc = await call(api, "GET", f"/v1/runs/{run_id}",
                              params={"wait": "done", "timeout": "60"}, headers=AUTH)
     assert (status, doc["state"]) == (200, "done")
+
+
+async def _until(condition: Callable[[], bool], within_s: float = 10.0) -> None:
+    """Until ``condition`` holds: what the handlers reach has no event to await."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.005)
+
+
+async def test_many_long_polls_on_one_run_cost_one_read_per_monitor_pass(tmp_path: Path) -> None:
+    """Issue 17, M7: a waiter reads nothing itself; the monitor reads each watched run once
+    per pass for all of them (it used to be one read per waiter per notification)."""
+    async with running_api(load_config(tmp_path, api__max_long_polls_per_token="200",
+                                       api__max_long_polls="200")) as api:
+        run_id = await _run_with_operations(api, 1)
+        polls = [asyncio.create_task(call(api, "GET", f"/v1/runs/{run_id}", headers=AUTH,
+                                          params={"wait": "done", "timeout": "30"}))
+                 for _ in range(90)]  # the test client holds at most 100 connections
+        await _until(lambda: api.state.long_polls.held == 90)
+        before = api.db.reads
+        for _ in range(20):
+            await api.notify_runs_changed()
+            for _ in range(5):  # let every waiter wake and look again
+                await asyncio.sleep(0)
+        # One read of the run per pass, and its counts once (reused within a second).
+        assert api.db.reads - before <= 20 + 2, api.db.reads - before
+        assert not any(p.done() for p in polls)
+        [message] = await api.ledger.unpublished(1)
+        attempt = await api.ledger.begin_attempt(message.operation_id, "delete")
+        await api.ledger.settle([Settlement(message.operation_id, OpState.DELETED, None,
+                                            attempt_id=attempt, outcome="deleted")])
+        assert await api.ledger.finish_runs() == [run_id]
+        before = api.db.reads
+        while not all(p.done() for p in polls):
+            await api.notify_runs_changed()
+            await asyncio.wait(polls, timeout=0.05)
+        answers = [await p for p in polls]
+        assert {(status, doc["state"], doc["counts"]["deleted"], doc["unfinished"])
+                for status, doc in answers} == {(200, "done", 1, 0)}
+        # The run read again and counted once more (it is done now), for all 90.
+        assert api.db.reads - before <= 2 * 3, api.db.reads - before
+        assert api.state.long_polls.held == 0
+        assert api.state.runs_changed.watched() == []
+
+
+async def test_long_polls_are_capped_per_token_and_in_all_with_retry_after(
+        tmp_path: Path) -> None:
+    viewer = "viewer-token-for-the-read-caps-test-0123456789"
+    cfg = config_module.load(None, environ={
+        "CLEANUP_TRIGGER_TOKEN": TOKEN, "CLEANUP_STATUS_TOKEN": viewer,
+        "CLEANUP__SERVICE__DATA_DIR": str(tmp_path), "CLEANUP__API__MAX_LONG_POLLS": "3",
+        "CLEANUP__API__MAX_LONG_POLLS_PER_TOKEN": "2"})
+    as_viewer = {"Authorization": f"Bearer {viewer}"}
+    async with running_api(cfg) as api:
+        run_id = await _run_with_operations(api, 1)
+        path, wait = f"/v1/runs/{run_id}", {"wait": "done", "timeout": "30"}
+
+        def poll(headers: dict[str, str]) -> asyncio.Task[tuple[int, Any]]:
+            return asyncio.create_task(call(api, "GET", path, headers=headers, params=wait))
+
+        held = [poll(AUTH), poll(AUTH)]
+        await _until(lambda: api.state.long_polls.held == 2)
+        async with api.client.get(path, headers=AUTH, params=wait) as resp:
+            assert resp.status == 429
+            assert resp.headers["Retry-After"] == "5"
+            assert "for this token" in (await resp.json())["error"]
+        # Not waiting is never capped, nor is another token below the total.
+        assert (await call(api, "GET", path, headers=AUTH))[0] == 200
+        held.append(poll(as_viewer))
+        await _until(lambda: api.state.long_polls.held == 3)
+        async with api.client.get(path, headers=as_viewer, params=wait) as resp:
+            assert resp.status == 429
+            assert resp.headers["Retry-After"] == "5"
+            assert "in all" in (await resp.json())["error"]
+        assert not any(p.done() for p in held)  # the refused ones took no one's place
+        [message] = await api.ledger.unpublished(1)
+        attempt = await api.ledger.begin_attempt(message.operation_id, "delete")
+        await api.ledger.settle([Settlement(message.operation_id, OpState.DELETED, None,
+                                            attempt_id=attempt, outcome="deleted")])
+        await api.ledger.finish_runs()
+        while not all(p.done() for p in held):
+            await api.notify_runs_changed()
+            await asyncio.wait(held, timeout=0.05)
+        assert [(await p)[0] for p in held] == [200, 200, 200]
+        assert api.state.long_polls.held == 0  # released: the next one is answered
+        assert (await call(api, "GET", path, headers=AUTH, params=wait))[0] == 200
+
+
+async def test_exclusions_reads_are_capped_with_retry_after(tmp_path: Path) -> None:
+    async with running_api(load_config(tmp_path, api__max_exclusion_reads="4",
+                                       api__max_exclusion_reads_per_token="1")) as api:
+        await _run_with_operations(api, 3)
+        path = "/v1/exclusions?schedule=weekly"
+        # A read of this token already held open (a stream being written).
+        with api.state.exclusion_reads.hold(holder_of(AUTH["Authorization"])):
+            for fmt in ("json", "jsonl"):
+                async with api.client.get(f"{path}&format={fmt}", headers=AUTH) as resp:
+                    assert resp.status == 429
+                    assert resp.headers["Retry-After"] == "5"
+                    assert "exclusions reads" in (await resp.json())["error"]
+        status, doc = await call(api, "GET", path, headers=AUTH)
+        assert status == 200
+        assert len(doc["exclusions"]) == 3
+        assert api.state.exclusion_reads.held == 0
 
 
 @pytest.mark.parametrize("query", [{"wait": "forever"}, {"wait": "done", "timeout": "61"},

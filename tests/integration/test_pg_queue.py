@@ -78,6 +78,7 @@ async def replicas(pg: Any, *names: str) -> AsyncIterator[list[Replica]]:
         yield opened
     finally:
         for r in opened:
+            await r.membership.close()
             await r.roles.close()
             await r.db.close()
 
@@ -209,11 +210,35 @@ async def test_a_dropped_listen_connection_is_reconnected(pg: Any) -> None:
 # -- runs, scans and events across replicas --------------------------------------------------
 
 
+async def test_a_schema_of_the_previous_release_gains_the_source_kind(pg: Any) -> None:
+    """Ledger v3: runs written before it show their source's kind in list reads (which no
+    longer read the JSON), and a schedule's runs are found through its index."""
+    old = PgDatabase(pg.dsn, pg.schema, "old-release")
+    await old.open(pg_sql.MIGRATIONS[:2])
+    await old.pool.execute(
+        "INSERT INTO runs (id, tick_key, schedule, state, source, created_at) VALUES "
+        "('run_1', 'weekly@1', 'weekly', 'done', '{\"kind\": \"http\"}', 1)")
+    await old.close()
+    new = PgDatabase(pg.dsn, pg.schema, "new-release")
+    assert await new.open(pg_sql.MIGRATIONS) == ["ledger v3"]
+    try:
+        ledger = PostgresLedger(new, owns_queue=True)
+        [run] = await ledger.list_runs(10)
+        assert (run.id, run.source) == ("run_1", {"kind": "http"})
+        assert [r.id for r in await ledger.schedule_runs("weekly")] == ["run_1"]
+        indexes = {r[0] for r in await new.pool.fetch(
+            "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = 'runs'",
+            pg.schema)}
+        assert {"runs_schedule", "runs_schedule_unfinished"} <= indexes
+    finally:
+        await new.close()
+
+
 async def test_replicas_starting_together_migrate_once(pg: Any) -> None:
     async with replicas(pg, "replica-a", "replica-b", "replica-c") as reps:
         assert sorted(len(r.applied) for r in reps) == [0, 0, len(pg_sql.MIGRATIONS)]
         assert [r.applied for r in reps if r.applied] == [["audit v1", "ledger v1",
-                                                           "ledger v2"]]
+                                                           "ledger v2", "ledger v3"]]
         again = PgDatabase(pg.dsn, pg.schema, "replica-d")
         try:
             assert await again.open(pg_sql.MIGRATIONS) == []  # a restart applies nothing

@@ -43,7 +43,7 @@ from supervisor.partner import PartnerClient
 from supervisor.push import PushedQueue, PushReceiver, PushSettings
 from supervisor.queue.base import Delivery, Message
 from supervisor.reconcile import Reconciler
-from supervisor.runs import Broadcast, RunOpener
+from supervisor.runs import RunOpener, RunWatch
 from supervisor.sandbox import SandboxConfig, run_sandbox
 from supervisor.sandbox.infrai import EmulatorConfig, start_emulator
 from supervisor.sandbox.server import RunningSandbox
@@ -147,7 +147,7 @@ async def push_rig(tmp_path: Path, limits: LimitsConfig | None = None,
         state = ApiState(config=cfg, ledger=ledger,
                          opener=RunOpener(cfg, ledger, asyncio.Event()),
                          reconciler=Reconciler(cfg.partner, ledger, queue, budget, partner),
-                         ready=lambda: (True, {}), runs_changed=Broadcast(),
+                         ready=lambda: (True, {}), runs_changed=RunWatch(),
                          current_rate=lambda: budget.snapshot().rate,
                          push=PushReceiver(settings, {"ops": pool}))
         client: TestClient[web.Request, web.Application] = TestClient(

@@ -81,6 +81,18 @@ async def test_an_unslotted_tick_takes_its_slot_from_the_expression(
     ({"scheduled_for": "2026-11-30T02:00:00"}, "UTC offset"),
     ({"when": "now"}, "unknown field(s): when"),
     ({"key": 5}, "key must be"),
+    ({"key": "two words"}, "key must be"),
+    # Aware, but with no UTC instant: astimezone overflows (issue 17, M8).
+    ({"scheduled_for": "0001-01-01T00:00:00+01:00"}, "scheduled_for is out of range"),
+    ({"scheduled_for": "9999-12-31T23:59:59-01:00"}, "scheduled_for is out of range"),
+    ({"scheduled_for": 1e300}, "scheduled_for is out of range"),
+    # The webhook's one rule for schedule names (L10): no control characters, no spaces,
+    # nothing that separates a tick key's parts.
+    ({"schedule": "weekly\nINFO forged"}, "schedule must be"),
+    ({"schedule": "weekly "}, "schedule must be"),
+    ({"schedule": "w\u00f6chentlich"}, "schedule must be"),
+    ({"schedule": "a#b"}, "schedule must be"),
+    ({"schedule": "x" * 101}, "schedule must be"),
 ])
 def test_a_bad_tick_names_its_field(payload: object, problem: str) -> None:
     with pytest.raises(ValueError, match=problem.replace("(", r"\(").replace(")", r"\)")):
@@ -100,3 +112,25 @@ async def test_a_tick_a_later_slot_has_superseded_is_dropped(
     [run] = await ledger.list_runs(10)
     assert not run.tick_key.startswith("weekly@2025-01-06")
     assert metrics.TICKS.labels("missed")._value.get() == missed + 1
+
+
+async def test_a_poisoned_tick_is_acked_and_counted_not_redelivered_forever(
+        ledger: SqliteLedger, ticks: InfraiQueue, emulator: Emulator, tmp_path: Path) -> None:
+    """A slot without a UTC instant used to crash the puller before its ack, every lease,
+    forever; now it is said, counted and acked, and the good tick behind it opens its run."""
+    cfg = load_config(tmp_path, source__kind="file", source__path=str(tmp_path / "x.jsonl"))
+    puller = TickPuller(ticks, RunOpener(cfg, ledger, asyncio.Event()), "weekly", 30)
+    malformed = metrics.TICKS.labels("malformed")._value.get()
+    for bad in ({"scheduled_for": "0001-01-01T00:00:00+01:00"},
+                {"scheduled_for": "9999-12-31T23:59:59-01:00"},
+                {"schedule": "weekly\nforged line"}):
+        await ticks.publish_payload(bad)
+    await publish_tick(ticks, {"schedule": "weekly",
+                               "scheduled_for": "2026-11-30T02:00:00+00:00"})
+    assert await puller.pull() == 4
+    assert metrics.TICKS.labels("malformed")._value.get() == malformed + 3
+    [run] = await ledger.list_runs(10)
+    assert run.tick_key == "weekly@2026-11-30T02:00:00+00:00"
+    emulator.advance(120)  # past every visibility timeout: none of them comes back
+    assert await puller.pull() == 0
+    assert len([c for c in emulator.calls if c["capability"] == "queue.ack"]) == 4

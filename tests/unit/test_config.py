@@ -184,6 +184,19 @@ probe_path = "/probe"
     ("[[limits.quota]]\nlimit = 1\nperiod_seconds = 60\n"
      "[[limits.quota]]\nlimit = 2\nperiod_seconds = 60",
      "limits.quota[1].name '60s' is used twice"),
+    # One rule for schedule names (L10): what the trigger and exclusions accept.
+    ('[schedule]\nname = "weekly digest"', "schedule.name must be 1 to 100 visible ASCII"),
+    ('[schedule]\nname = "w\u00f6chentlich"', "schedule.name must be 1 to 100 visible ASCII"),
+    ('[schedule]\nname = "a#b"', "schedule.name must be 1 to 100 visible ASCII"),
+    # The caps on reads held open (M7).
+    ("[api]\nmax_long_polls = 0", "api.max_long_polls must be > 0, got 0"),
+    ("[api]\nmax_long_polls = 10\nmax_long_polls_per_token = 11",
+     "api.max_long_polls_per_token must be <= api.max_long_polls, got 11 > 10"),
+    ("[api]\nmax_exclusion_reads_per_token = 33",
+     "api.max_exclusion_reads_per_token must be <= api.max_exclusion_reads, got 33 > 32"),
+    ("[api]\nmax_exclusion_reads = 2.5", "api.max_exclusion_reads must be an integer"),
+    # Matched whole (L7): a trailing newline is not part of an SQL identifier.
+    ('[ledger]\nschema = "cleanup\\n"', "ledger.schema must be a lower-case SQL identifier"),
 ])
 def test_single_problem(tmp_path: Path, toml: str, fragment: str) -> None:
     problems = problems_of(write(tmp_path, toml + "\n"), TOKEN_ENV)
@@ -510,3 +523,27 @@ def test_event_sink_secrets_never_come_from_the_file(tmp_path: Path) -> None:
         in problems
     problems = problems_of(write(tmp_path, '[events]\nsink = 3\n'), TOKEN_ENV)
     assert problems == ["events.sink must be an array of tables ([[events.sink]]), got 3"]
+
+
+def test_replicas_dead_after_must_outlast_a_request(tmp_path: Path) -> None:
+    """A request in the air must be over (by its own timeouts) before its replica can be
+    declared dead and its operation sent again by a peer."""
+    env = {**TOKEN_ENV, "CLEANUP_DATABASE_URL": "postgresql://u@h/db"}
+    base = '[ledger]\nbackend = "postgres"\n[queue]\nbackend = "postgres"\n'
+    problems = problems_of(write(tmp_path, '[ledger]\nbackend = "postgres"\n'
+                                 'dead_after_seconds = 14\n[queue]\nbackend = "postgres"\n'), env)
+    assert problems == [
+        "ledger.dead_after_seconds (14) must exceed partner.connect_timeout_seconds + "
+        "partner.request_timeout_seconds + ledger.heartbeat_seconds (14): a request must be "
+        "over before its replica's peers may declare it dead and send the operation again"]
+    # The defaults hold; shorter partner timeouts allow a shorter dead time.
+    assert config.load(write(tmp_path, base), environ=env).ledger.dead_after_seconds == 20
+    quick = config.load(write(tmp_path, '[ledger]\nbackend = "postgres"\n'
+                              'dead_after_seconds = 3\nheartbeat_seconds = 0.5\n'
+                              '[queue]\nbackend = "postgres"\n[partner]\n'
+                              'connect_timeout_seconds = 0.5\nrequest_timeout_seconds = 1.5\n'),
+                        environ=env)
+    assert quick.ledger.dead_after_seconds == 3
+    # One process (SQLite) has no peers: nothing to outlast.
+    assert config.load(write(tmp_path, '[ledger]\ndead_after_seconds = 2\n'),
+                       environ=TOKEN_ENV).ledger.dead_after_seconds == 2

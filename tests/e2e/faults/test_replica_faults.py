@@ -33,6 +33,8 @@ def _replica(e2e: E2E, sandbox: Any, pg: Any, i: int, mode: Mode) -> FaultServic
         "ledger": {"backend": "postgres", "schema": pg.schema, "heartbeat_seconds": 0.5,
                    "dead_after_seconds": 3.0, "role_poll_seconds": 0.5},
         "queue": {"backend": "postgres", "lease_seconds": 30.0},
+        # Short enough for dead_after (connect + request + heartbeat below it).
+        "partner": {"connect_timeout_seconds": 0.5, "request_timeout_seconds": 1.5},
         "source": {"page_size": 200},
         "limits": {"rate_per_second": 150, "concurrency": 8},
     }, mode.overrides, name=f"replica-{i + 1}")

@@ -1,0 +1,98 @@
+"""An attempt is owned from the moment it is written until it is settled.
+
+The consumer writes an attempt once it holds a concurrency slot and no hold is in force
+(:meth:`~supervisor.budget.base.RateBudget.admit`); what is left is the wait for the
+token, which may still be long (a low rate, many workers ahead). Meanwhile the attempt's
+in-flight guard is renewed every half slack, so it never runs out and a second delivery
+of the operation finds it busy; and right before the request leaves the ledger is asked
+whether the attempt is still this delivery's (open, its hold long enough for the request,
+and on PostgreSQL this replica alive for as long). If it is not, the request is never
+sent: whoever superseded the attempt decides the operation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from supervisor import metrics
+from supervisor.budget.base import Admission, Feedback, Grant, Outcome, RateBudget
+from supervisor.errors import StorageError
+from supervisor.ledger.base import Ledger
+
+log = logging.getLogger(__name__)
+
+# An attempt's hold beyond its request's own timeouts.
+BUSY_SLACK_S = 5.0
+
+
+class Ownership:
+    """The token wait of one worker's written attempt, and the check after it."""
+
+    def __init__(self, ledger: Ledger, budget: RateBudget, cover_s: float,
+                 slack_s: float = BUSY_SLACK_S) -> None:
+        self.ledger = ledger
+        self.budget = budget
+        # What a request takes at most by its own timeouts: its hold must outlast that.
+        self.cover_s = cover_s
+        self.slack_s = slack_s
+        self.busy_s = cover_s + slack_s
+
+    async def token(self, admission: Admission, owner: str, op_id: str,
+                    attempt_id: int) -> tuple[Grant | None, str | None]:
+        """Wait for the token under ``admission``, keeping the attempt held, then check
+        it is still ``owner``'s. (grant, None): send now. (None, None): a hold began,
+        nothing granted. (None, why): the attempt is no longer ``owner``'s (or this
+        replica's): its request must never be sent. Cancellation takes nothing."""
+        waiting = asyncio.ensure_future(self.budget.grant(admission))
+        lost: str | None = None
+        try:
+            while True:
+                done, _ = await asyncio.wait([waiting], timeout=self.slack_s / 2)
+                if done:
+                    break
+                if not await self._keep(op_id, attempt_id, owner):
+                    lost = "its hold was lost while it waited for a token"
+                    break
+        except BaseException:
+            await self._abandon(waiting)
+            raise
+        if lost is not None:
+            await self._abandon(waiting)
+            return self._not_sent(op_id, lost)
+        grant = waiting.result()
+        if grant is None:
+            return None, None
+        try:
+            owned = await self.ledger.owns_attempt(op_id, attempt_id, owner, self.cover_s) \
+                or (await self.ledger.keep_attempt(op_id, attempt_id, owner, self.busy_s)
+                    and await self.ledger.owns_attempt(op_id, attempt_id, owner, self.cover_s))
+        except BaseException:
+            self.budget.release(grant, Feedback(Outcome.OTHER))
+            raise
+        if not owned:
+            self.budget.release(grant, Feedback(Outcome.OTHER))
+            return self._not_sent(op_id, "it was no longer this delivery's when its token came")
+        return grant, None
+
+    @staticmethod
+    def _not_sent(op_id: str, why: str) -> tuple[None, str]:
+        metrics.ATTEMPTS_NOT_SENT.inc()
+        log.warning("operation %s: attempt not sent: %s", op_id, why,
+                    extra={"operation_id": op_id, "action": "attempt_not_sent"})
+        return None, why
+
+    async def _keep(self, op_id: str, attempt_id: int, owner: str) -> bool:
+        try:
+            return await self.ledger.keep_attempt(op_id, attempt_id, owner, self.busy_s)
+        except StorageError:
+            return True  # cannot tell now: the check before sending decides
+
+    async def _abandon(self, waiting: asyncio.Future[Grant | None]) -> None:
+        """Stop waiting for a token; one granted meanwhile is handed back unused."""
+        waiting.cancel()
+        await asyncio.wait([waiting])
+        if not waiting.cancelled() and waiting.exception() is None:
+            grant = waiting.result()
+            if grant is not None:
+                self.budget.release(grant, Feedback(Outcome.OTHER))

@@ -22,6 +22,7 @@ import pytest
 
 from supervisor.errors import OperationBusy
 from supervisor.queue.courier import Courier
+
 from .test_pg_queue import CONFIG, replicas, still_waiting
 
 REPO = Path(__file__).resolve().parents[2]

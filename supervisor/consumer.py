@@ -7,12 +7,11 @@ import collections
 import contextlib
 import enum
 import logging
-import random
 import time
 from collections.abc import Callable
 
 from supervisor import metrics
-from supervisor.budget.base import Feedback, Outcome, RateBudget
+from supervisor.budget.base import RateBudget
 from supervisor.config import Config
 from supervisor.errors import (
     IllegalTransition,
@@ -23,6 +22,7 @@ from supervisor.errors import (
     StorageError,
 )
 from supervisor.ledger.base import Disposition, Ledger, Operation, Received, Settlement
+from supervisor.outcomes import decide, feedback
 from supervisor.ownership import BUSY_SLACK_S, Ownership
 from supervisor.partner import Answer, PartnerClient, Verdict
 from supervisor.push import PushedQueue, PushOutcome
@@ -45,16 +45,6 @@ LOST_RETRY_S = 1.0
 
 
 _NOT_SENT = Answer(Verdict.TRANSIENT, None, "not sent: shutdown before the request left")
-
-
-def _feedback(answer: Answer) -> Feedback:
-    if answer.verdict in (Verdict.DELETED, Verdict.ABSENT):
-        outcome = Outcome.OK
-    elif answer.verdict is Verdict.THROTTLED:
-        outcome = Outcome.THROTTLED
-    else:
-        outcome = Outcome.OTHER
-    return Feedback(outcome, answer.elapsed_s, answer.retry_after_s, answer.policies)
 
 
 class Phase(enum.Enum):
@@ -462,7 +452,6 @@ class ConsumerPool:
         return True
 
     async def _attempt(self, task: asyncio.Task[None], delivery: Delivery, op: Operation) -> None:
-        partner = self.config.partner
         attempts = op.attempts
         while True:
             if self._stopping.is_set():
@@ -478,6 +467,18 @@ class ConsumerPool:
                 await self._defer(delivery, self.budget.snapshot().held_for(time.time()))
                 return
             admission = await self.budget.admit()
+            if not self.config.partner.idempotency_keys and \
+                    (current := await self._begun_meanwhile(op)) is not None:
+                # Another delivery began an attempt (or settled it) while this one waited
+                # for its slot: superseding it would send blindly after an outcome nobody
+                # knows. Its next delivery is judged on what the ledger holds then.
+                self.budget.withdraw(admission)
+                metrics.QUEUE_DUPLICATES.inc()
+                if current.state in SETTLED:
+                    await self.courier.drop(delivery, "settled")
+                elif self.caps.nack:
+                    await self.courier.retry_later(delivery, LOST_RETRY_S)
+                return
             try:
                 # Writing the attempt is not cut short by a shutdown (it may commit all
                 # the same); the wait for the token after it is, and closes it unsent.
@@ -536,7 +537,7 @@ class ConsumerPool:
             # grace instead of leaving an open attempt.
             self._phases[task] = Phase.SENDING
             answer = await self.partner.delete(op.recipient_id, op.id)
-            self.budget.release(grant, _feedback(answer))
+            self.budget.release(grant, feedback(answer))
             self._record_answer(answer)
             if answer.verdict is Verdict.THROTTLED:
                 # Not a failed attempt: everyone is paused, the message kept, tried again.
@@ -544,44 +545,24 @@ class ConsumerPool:
                                    disposition=Disposition.KEEP, refund=True)
                 attempts -= 1
                 continue
-            await self._conclude(delivery, op, attempt_id, answer, attempts, partner.max_attempts)
+            await self._conclude(delivery, op, attempt_id, answer, attempts)
             return
 
-    async def _conclude(self, delivery: Delivery, op: Operation, attempt_id: int, answer: Answer,
-                        attempts: int, max_attempts: int) -> None:
-        v = answer.verdict
-        if v in (Verdict.DELETED, Verdict.ABSENT):
-            target = OpState.DELETED if v is Verdict.DELETED else OpState.ALREADY_ABSENT
-            await self._settle(delivery, op, target, None, attempt_id, answer)
-        elif v is Verdict.TERMINAL:
-            if answer.status == 422:
-                log.error("partner rejected Idempotency-Key %s as reused with another request",
-                          op.id, extra={"action": "idempotency_key_conflict"})
-            await self._settle(delivery, op, OpState.FAILED, f"partner answered {answer.detail}",
-                               attempt_id, answer)
-        elif v is Verdict.AMBIGUOUS and not self.config.partner.idempotency_keys:
-            await self._settle(delivery, op, OpState.AMBIGUOUS,
-                               f"{answer.detail} after the request was sent; not resent",
-                               attempt_id, answer)
-        elif attempts >= max_attempts:
-            # Transient, or ambiguous with keys: out of attempts. If any may have acted,
-            # the outcome is unknown, not failed.
-            target = OpState.AMBIGUOUS if v is Verdict.AMBIGUOUS else OpState.FAILED
-            await self._settle(delivery, op, target,
-                               f"gave up after {attempts} attempts: {answer.detail}",
-                               attempt_id, answer)
-        else:
-            delay = self._backoff(attempts)
-            if answer.retry_after_s is not None:
-                delay = max(delay, answer.retry_after_s)
-            await self._settle(delivery, op, OpState.RETRY_WAIT, None, attempt_id, answer,
-                               disposition=Disposition.RETRY, delay_s=delay)
+    async def _begun_meanwhile(self, op: Operation) -> Operation | None:
+        """The operation as it is now, if another delivery moved it since ``op`` was read."""
+        current = await self.ledger.get_operation(op.id)
+        if current is not None and (current.state in SETTLED or current.unfinished_attempt):
+            return current
+        return None
 
-    def _backoff(self, attempts: int) -> float:
-        p = self.config.partner
-        ceiling = min(p.backoff_max_seconds, p.backoff_initial_seconds * 2.0 ** (attempts - 1))
-        # Equal jitter: spreads retries of a burst without ever retrying at once.
-        return ceiling / 2 + random.uniform(0, ceiling / 2)
+    async def _conclude(self, delivery: Delivery, op: Operation, attempt_id: int, answer: Answer,
+                        attempts: int) -> None:
+        if answer.verdict is Verdict.TERMINAL and answer.status == 422:
+            log.error("partner rejected Idempotency-Key %s as reused with another request",
+                      op.id, extra={"action": "idempotency_key_conflict"})
+        d = decide(self.config.partner, answer, attempts)
+        await self._settle(delivery, op, d.target, d.reason, attempt_id, answer,
+                           disposition=d.disposition, delay_s=d.delay_s)
 
     @staticmethod
     def _record_answer(answer: Answer) -> None:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -437,11 +438,23 @@ class PostgresBudget:
         views = [QuotaView(q.name, q.limit, q.window_s, q.remaining(now) + len(self._book),
                            q.resets_at(now)) for q in self._view.quotas]
         views += self._announced.views(now, state.resumed_at)
+        if self._offset:
+            # Callers hold this host's clock against it (time.time()): the budget's times
+            # are PostgreSQL's, so they are handed over on this host's.
+            state, views = _on_host_clock(state, views, self._offset)
         return Snapshot(state=state, ceiling=self.cfg.ceiling,
                         concurrency_limit=self._concurrency.value,
                         concurrency_max=self._concurrency.maximum, in_flight=self._in_flight,
                         concurrency_bound=self._concurrency.bounds(state.rate),
                         quotas=tuple(views))
+
+
+def _on_host_clock(state: BudgetState, views: list[QuotaView], offset: float,
+                   ) -> tuple[BudgetState, list[QuotaView]]:
+    paused = state.paused_until - offset if state.paused_until else 0.0
+    return (dataclasses.replace(state, paused_until=paused),
+            [dataclasses.replace(v, resets_at=v.resets_at - offset) if v.resets_at else v
+             for v in views])
 
 
 def _describe(exc: BaseException) -> str:

@@ -143,7 +143,10 @@ RUN_COLUMNS = (
     "scan_finished_at, finished_at"
 )
 # List reads: the source's kind, not its JSON (see supervisor/ledger/sql.py).
-LIST_RUN_COLUMNS = RUN_COLUMNS.replace("state, source,", "state, source_kind,")
+# A run a replica of the previous release opened during a rolling upgrade has no
+# source_kind: its JSON still says.
+LIST_RUN_COLUMNS = RUN_COLUMNS.replace(
+    "state, source,", "state, COALESCE(source_kind, source::json->>'kind') AS source_kind,")
 OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at, due_at"
 
 # runs
@@ -251,11 +254,12 @@ RECORD_OUTBOX = (
 )
 # Returned with the count: how much longer the operation is held (an attempt's guard, a
 # retry not yet due), as this write saw it.
-# Guards and due times are the database's clock's (see the module docstring), and so is
-# how long they still hold.
+# How long an operation is still held: an in-flight guard on the database's clock (see
+# the module docstring), a retry's due time on the clock of the replica that wrote it
+# (the bookkeeping's, $1).
 _HELD_S = (
     f"GREATEST(0, CASE state WHEN 'in_flight' THEN COALESCE(busy_until, 0) - {DB_NOW}"
-    f" WHEN 'retry_wait' THEN COALESCE(due_at, 0) - {DB_NOW} ELSE 0 END)"
+    " WHEN 'retry_wait' THEN COALESCE(due_at, 0) - $1 ELSE 0 END)"
 )
 NOTE_RECEIVED = (
     "UPDATE operations SET receives = receives + 1, received_at = $1,"

@@ -50,12 +50,12 @@ from .conftest import (
 # Each cell settles within 150 s, even on a loaded machine.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-POPULATION = 400
+POPULATION = 300
 KILLS = 3
-RATE = 100.0
+RATE = 150.0
 # Longer than an attempt's in-flight guard (connect 1 s + request 2 s + 5 s of slack) and
 # than the lease or visibility timeout (5 s): what the pause may not let run out.
-PAUSE_S = 12
+PAUSE_S = 10
 LEASE_S = 5.0
 SKEW = "+90s"
 PUSH_SECRET = "adversarial-push-secret-of-32-bytes!"
@@ -93,8 +93,12 @@ def shape_pg(shape: Shape, request: pytest.FixtureRequest) -> Any:
 
 def skewed_env(env: dict[str, str]) -> dict[str, str]:
     if not os.path.exists(LIBFAKETIME) or shutil.which("faketime") is None:
-        pytest.fail("Debian's faketime is needed for the clock-skew cells: apt-get install "
-                    "faketime")
+        # As the browser and PostgreSQL tests: a how-to elsewhere, a failure in CI.
+        message = ("the clock-skew cells need Debian's faketime: apt-get install faketime "
+                   "(CLEANUP_REQUIRE_FAKETIME=1 turns this skip into a failure)")
+        if os.environ.get("CLEANUP_REQUIRE_FAKETIME") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
     # The wall clock only: timeouts and the loop's own timers stay true.
     return {**env, "LD_PRELOAD": LIBFAKETIME, "FAKETIME": SKEW,
             "FAKETIME_DONT_FAKE_MONOTONIC": "1"}

@@ -99,7 +99,9 @@ class Monitor:
                 seen[run_id] = RunSeen(run, before.counts, before.counted_at)
             elif stats is not None and stats.current_run is not None and \
                     stats.current_run.id == run_id and stats.current_run.state is run.state \
-                    and now - self._counted_at < REFRESH_S:
+                    and run.state is not RunState.DONE and now - self._counted_at < REFRESH_S:
+                # Not for a run just done: its waiters are answered now, and with counts
+                # read after it closed (the monitor's count may predate its last settle).
                 seen[run_id] = RunSeen(run, stats.current_run_by_state, self._counted_at)
             else:
                 seen[run_id] = RunSeen(run, await self.ledger.run_counts(run_id), now)

@@ -12,6 +12,7 @@ event that commits late.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -87,6 +88,13 @@ class PostgresLedger:
         self._open_lock = pg.lock_key(db.schema, "xact:open_run")
         self._finish_lock = pg.lock_key(db.schema, "xact:finish_runs")
 
+    def _op(self, r: asyncpg.Record, unfinished: bool = False) -> Operation:
+        op = _op(r, unfinished)
+        if op.due_at is None or not self.db.offset:
+            return op
+        # Callers hold a due time against their own clock (a retry not yet due is deferred).
+        return dataclasses.replace(op, due_at=op.due_at - self.db.offset)
+
     @property
     def healthy(self) -> bool:
         return self.db.healthy
@@ -102,7 +110,7 @@ class PostgresLedger:
             existing = await conn.fetchrow(sql.SELECT_RUN_BY_TICK, tick_key)
             if existing is None and reuse_within_s is not None:
                 existing = await conn.fetchrow(sql.SELECT_RECENT_RUN_OF_SCHEDULE, schedule,
-                                               time.time() - reuse_within_s)
+                                               self.db.now() - reuse_within_s)
             if existing is not None:
                 return OpenRunResult(_run(existing), created=False)
             if skip_if_unfinished:
@@ -110,7 +118,7 @@ class PostgresLedger:
                 if busy is not None:
                     return OpenRunResult(None, created=False,
                                          skipped_for=_run(busy, listed=True))
-            now = time.time()
+            now = self.db.now()
             run_id = new_run_id(now)
             await conn.execute(sql.INSERT_RUN, run_id, tick_key, schedule, scheduled_for,
                                RunState.SCANNING.value, orjson.dumps(source).decode(),
@@ -151,7 +159,7 @@ class PostgresLedger:
     async def record_page(self, run_id: str, recipient_ids: Sequence[str],
                           next_cursor: str | None, skipped: int,
                           resumed_from: str | None = None) -> PageResult:
-        now = time.time()
+        now = self.db.now()
         ids = [new_operation_id() for _ in recipient_ids]
 
         async def write(conn: Conn) -> PageResult:
@@ -178,7 +186,7 @@ class PostgresLedger:
         async def write(conn: Conn) -> None:
             await conn.execute(sql.UPDATE_RUN_SCAN_FAILURE, error[:1000], run_id)
             if give_up:
-                await conn.execute(sql.UPDATE_RUN_SCAN_ABANDONED, time.time(),
+                await conn.execute(sql.UPDATE_RUN_SCAN_ABANDONED, self.db.now(),
                                    f"scan abandoned: {error}"[:1000], run_id)
 
         await self.db.write(write)
@@ -188,7 +196,7 @@ class PostgresLedger:
             # Serialised with record_evidence queueing an operation again: each statement
             # here then sees that operation, or the reopen sees the run done.
             await conn.execute("SELECT pg_advisory_xact_lock($1)", self._finish_lock)
-            now = time.time()
+            now = self.db.now()
             done = [r[0] for r in await conn.fetch(sql.UPDATE_RUNS_DONE, now)]
             if done:
                 # Every replica's long-polls on these runs answer now.
@@ -208,7 +216,7 @@ class PostgresLedger:
 
     async def record_published(self, published: Sequence[Published],
                                outbox: bool = False) -> None:
-        now = time.time()
+        now = self.db.now()
         rows = [(p.message_id, now, p.due_at, p.operation_id) for p in published]
         statement = sql.RECORD_OUTBOX if outbox else sql.RECORD_PUBLISHED
 
@@ -222,7 +230,7 @@ class PostgresLedger:
         statement = sql.NOTE_RECEIVED_ONCE if per_message else sql.NOTE_RECEIVED
 
         async def write(conn: Conn) -> dict[int, tuple[int, float]]:
-            now = time.time()
+            now = self.db.now()
             counted: dict[int, tuple[int, float]] = {}
             for i, d in enumerate(deliveries):
                 row = await conn.fetchrow(statement, now, now + lease_s, d.message_id,
@@ -241,7 +249,7 @@ class PostgresLedger:
 
     async def get_operations(self, operation_ids: Sequence[str]) -> dict[str, Operation]:
         rows = await self.db.read(sql.SELECT_OPERATIONS_WITH_OPEN_ATTEMPT, list(operation_ids))
-        return {r[0]: _op(r, unfinished=bool(r[9])) for r in rows}
+        return {r[0]: self._op(r, unfinished=bool(r[9])) for r in rows}
 
     async def list_operations(self, run_id: str, state: OpState | None, after: str | None,
                               limit: int) -> list[Operation]:
@@ -250,12 +258,12 @@ class PostgresLedger:
         else:
             rows = await self.db.read(sql.SELECT_OPERATIONS_IN_STATE, run_id, state.value,
                                       after or "", limit)
-        return [_op(r) for r in rows]
+        return [self._op(r) for r in rows]
 
     async def operations_in_state(self, state: OpState, after: str | None,
                                   limit: int) -> list[Operation]:
         rows = await self.db.read(sql.SELECT_OPERATIONS_BY_STATE, state.value, after or "", limit)
-        return [_op(r) for r in rows]
+        return [self._op(r) for r in rows]
 
     async def attempts(self, operation_id: str, after: int = 0,
                        limit: int | None = None) -> list[Attempt]:
@@ -268,7 +276,7 @@ class PostgresLedger:
             if await conn.fetchval(sql.ALIVE, self.db.replica, self._fence_s) is None:
                 raise ReplicaFenced(f"replica {self.db.replica} is not registered as alive: "
                                     "no attempt starts until its heartbeat is fresh")
-            now = time.time()
+            now = self.db.now()
             n = await _transition(conn, operation_id, OpState.IN_FLIGHT, None, count=1,
                                   now=now, owner=owner, holder=self.db.replica,
                                   busy_s=busy_s if busy_s > 0 else None)
@@ -300,7 +308,7 @@ class PostgresLedger:
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         async def write(conn: Conn) -> None:
-            now = time.time()
+            now = self.db.now()
             settled: list[str] = []
             for s in settlements:
                 if s.attempt_id is not None and await conn.fetchval(
@@ -347,11 +355,11 @@ class PostgresLedger:
         async def write(conn: Conn) -> None:
             if target is OpState.QUEUED:
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", self._finish_lock)
-            now = time.time()
+            now = self.db.now()
             row = await conn.fetchrow(sql.SELECT_OPERATION, operation_id)
             if row is None:
                 raise KeyError(f"operation {operation_id} does not exist")
-            op = _op(row)
+            op = self._op(row)
             await _transition(conn, operation_id, target, reason, count=0, now=now)
             await conn.execute(sql.INSERT_EVIDENCE, operation_id, op.attempts, kind, now, now,
                                status, target.value, detail[:1000])
@@ -372,16 +380,20 @@ class PostgresLedger:
         return target is OpState.QUEUED and not self._owns_queue
 
     async def ambiguous_due(self, settled_before: float, limit: int) -> list[Operation]:
-        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, settled_before, time.time(), limit)
-        return [_op(r) for r in rows]
+        # settled_before is on this host's clock, as the caller's.
+        rows = await self.db.read(sql.SELECT_AMBIGUOUS_DUE, settled_before + self.db.offset,
+                                  self.db.now(), limit)
+        return [self._op(r) for r in rows]
 
     async def overdue(self, before: float | None, unposted_before: float,
                       limit: int) -> list[Message]:
-        rows = await self.db.read(sql.SELECT_OVERDUE, before, unposted_before, limit)
+        off = self.db.offset  # the horizons are on this host's clock, as the caller's
+        rows = await self.db.read(sql.SELECT_OVERDUE, None if before is None else before + off,
+                                  unposted_before + off, limit)
         return [Message(run_id=r[0], operation_id=r[1], recipient_id=r[2]) for r in rows]
 
     async def queue_stats(self) -> QueueStats:
-        now = time.time()
+        now = self.db.now()
         row = await self.db.read_one(sql.LEDGER_QUEUE_STATS, now)
         assert row is not None
         return QueueStats.from_row(tuple(row), now)
@@ -403,13 +415,13 @@ class PostgresLedger:
         blob = orjson.dumps(data).decode()
 
         async def write(conn: Conn) -> None:
-            await conn.execute(sql.UPSERT_BUDGET, key, blob, time.time())
+            await conn.execute(sql.UPSERT_BUDGET, key, blob, self.db.now())
 
         await self.db.write(write)
 
     async def record_operator_action(self, action: str, by: str, reason: str,
                                      detail: Mapping[str, Any]) -> OperatorAction:
-        now, blob = time.time(), orjson.dumps(dict(detail)).decode()
+        now, blob = self.db.now(), orjson.dumps(dict(detail)).decode()
 
         async def write(conn: Conn) -> int:
             return int(await conn.fetchval(sql.INSERT_OPERATOR_ACTION, now, action, by,
@@ -448,7 +460,7 @@ class PostgresLedger:
 
     async def save_event_cursor(self, sink: str, seq: int) -> None:
         async def write(conn: Conn) -> None:
-            await conn.execute(sql.UPSERT_EVENT_CURSOR, sink, seq, time.time())
+            await conn.execute(sql.UPSERT_EVENT_CURSOR, sink, seq, self.db.now())
 
         await self.db.write(write)
 
@@ -460,7 +472,8 @@ class PostgresLedger:
 
     async def prune_events(self, sinks: Sequence[str], before: float, limit: int) -> int:
         async def write(conn: Conn) -> int:
-            status = await conn.execute(sql.PRUNE_EVENTS, list(sinks), before, limit)
+            status = await conn.execute(sql.PRUNE_EVENTS, list(sinks), before + self.db.offset,
+                                        limit)
             return int(status.rpartition(" ")[2])
 
         return await self.db.write(write)

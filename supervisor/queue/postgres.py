@@ -51,7 +51,7 @@ class PostgresQueue:
         return self.db.wakeups["queue"]
 
     async def publish(self, messages: Sequence[Message], delay_s: float = 0.0) -> list[str]:
-        now = time.time()
+        now = self.db.now()
         rows = [(m.operation_id, m.run_id, m.recipient_id, delay_s, now) for m in messages]
 
         async def write(conn: Conn) -> None:

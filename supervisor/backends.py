@@ -194,7 +194,8 @@ async def _open_postgres(c: Config) -> Backends:
         budget = PostgresBudget(c.limits, key=c.partner.base_url, pool=db.pool, dsn=dsn,
                                 schema=c.ledger.schema,
                                 timeout_s=c.partner.request_timeout_seconds,
-                                max_pause_s=c.partner.max_retry_after_seconds)
+                                max_pause_s=c.partner.max_retry_after_seconds,
+                                db_clock=db.clock)
         closers.append(budget.close)
         await budget.start()
     except (StorageError, OSError) as exc:

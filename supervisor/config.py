@@ -216,6 +216,11 @@ class PartnerConfig:
     # A Retry-After beyond this is clamped: the pause stops here and an alert can fire.
     max_retry_after_seconds: float = 900.0
 
+    @property
+    def request_bound_seconds(self) -> float:
+        """How long one request can take by its own timeouts: connecting, then answering."""
+        return self.connect_timeout_seconds + self.request_timeout_seconds
+
     def problems(self) -> list[str]:
         out = _positive("partner", self, "connect_timeout_seconds", "request_timeout_seconds",
                         "probe_settle_seconds", "probe_interval_seconds",
@@ -435,8 +440,7 @@ def _replica_timing(ledger: LedgerConfig, partner: PartnerConfig) -> list[str]:
     the replica's heartbeat is that fresh, and it is up to one period old at any time."""
     if ledger.backend != "postgres":
         return []
-    bound = (partner.connect_timeout_seconds + partner.request_timeout_seconds
-             + ledger.heartbeat_seconds)
+    bound = partner.request_bound_seconds + ledger.heartbeat_seconds
     if ledger.dead_after_seconds > bound:
         return []
     return [f"ledger.dead_after_seconds ({ledger.dead_after_seconds:g}) must exceed "

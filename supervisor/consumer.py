@@ -14,6 +14,7 @@ from supervisor import metrics
 from supervisor.budget.base import RateBudget
 from supervisor.config import Config
 from supervisor.errors import (
+    AttemptOpen,
     IllegalTransition,
     OperationBusy,
     QueueBlocked,
@@ -90,8 +91,7 @@ class ConsumerPool:
         self._fetcher: asyncio.Task[None] | None = None
         self._extender: asyncio.Task[None] | None = None
         # How long a request may take by its own timeouts: the hold it needs once it left.
-        self._cover_s = (config.partner.connect_timeout_seconds
-                         + config.partner.request_timeout_seconds)
+        self._cover_s = config.partner.request_bound_seconds
         # How long an attempt holds its operation: the request's own bound, plus slack;
         # renewed every half slack while it waits for its token, so it never runs out.
         self._busy_s = self._cover_s + BUSY_SLACK_S
@@ -467,28 +467,17 @@ class ConsumerPool:
                 await self._defer(delivery, self.budget.snapshot().held_for(time.time()))
                 return
             admission = await self.budget.admit()
-            if not self.config.partner.idempotency_keys and \
-                    (current := await self._begun_meanwhile(op)) is not None:
-                # Another delivery began an attempt (or settled it) while this one waited
-                # for its slot: superseding it would send blindly after an outcome nobody
-                # knows. Its next delivery is judged on what the ledger holds then.
-                self.budget.withdraw(admission)
-                metrics.QUEUE_DUPLICATES.inc()
-                if current.state in SETTLED:
-                    await self.courier.drop(delivery, "settled")
-                elif self.caps.nack:
-                    await self.courier.retry_later(delivery, LOST_RETRY_S)
-                return
             try:
                 # Writing the attempt is not cut short by a shutdown (it may commit all
                 # the same); the wait for the token after it is, and closes it unsent.
                 self._phases[task] = Phase.SENDING
                 try:
-                    # Superseding whatever is open: an attempt whose hold ran out is no
-                    # one's, even if this delivery read the operation before it began.
+                    # With keys, superseding whatever is open: an attempt whose hold ran
+                    # out is no one's, and a resend carries its key. Without, the ledger
+                    # refuses if another delivery began one while this one waited.
                     attempt_id = await self.ledger.begin_attempt(
                         op.id, "delete", owner=delivery.receipt, busy_s=self._busy_s,
-                        supersedes_open=True)
+                        supersedes_open=self.config.partner.idempotency_keys)
                 except OperationBusy as exc:
                     # A second delivery of an operation another worker has in the air:
                     # come back when that attempt is over, or, without nack, when this
@@ -497,6 +486,12 @@ class ConsumerPool:
                     if self.caps.nack:
                         await self.courier.retry_later(delivery,
                                                        max(0.0, exc.until - time.time()))
+                    return
+                except AttemptOpen:
+                    # Its holder is gone (its hold ran out) and its outcome unknown: never
+                    # resend blindly; hold it for reconciliation, as _handle would have.
+                    await self._settle(delivery, op, OpState.AMBIGUOUS,
+                                       "an earlier attempt has no recorded outcome; not resent")
                     return
                 except IllegalTransition:
                     # Another delivery settled it while this one waited for its slot.
@@ -547,13 +542,6 @@ class ConsumerPool:
                 continue
             await self._conclude(delivery, op, attempt_id, answer, attempts)
             return
-
-    async def _begun_meanwhile(self, op: Operation) -> Operation | None:
-        """The operation as it is now, if another delivery moved it since ``op`` was read."""
-        current = await self.ledger.get_operation(op.id)
-        if current is not None and (current.state in SETTLED or current.unfinished_attempt):
-            return current
-        return None
 
     async def _conclude(self, delivery: Delivery, op: Operation, attempt_id: int, answer: Answer,
                         attempts: int) -> None:

@@ -61,6 +61,15 @@ class OperationBusy(CleanupError):
         super().__init__(f"operation {operation_id} is in flight elsewhere until {until:.0f}")
 
 
+class AttemptOpen(CleanupError):
+    """The operation has an attempt with no outcome that this caller did not supersede:
+    it may have acted, and without idempotency keys nothing is sent after it."""
+
+    def __init__(self, operation_id: str) -> None:
+        self.operation_id = operation_id
+        super().__init__(f"operation {operation_id} has an attempt with no recorded outcome")
+
+
 class QueueError(CleanupError):
     """The queue transport failed a call after its own retries (unreachable, 5xx, an
     answer that is not the documented contract). Nothing is lost: the ledger is truth."""

@@ -9,7 +9,6 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import orjson
@@ -174,13 +173,6 @@ def op_view(op: Operation) -> dict[str, Any]:
             "created_at": op.created_at, "updated_at": op.updated_at}
 
 
-def _parse_slot(value: Any) -> datetime:
-    try:
-        return parse_slot(value)
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
-
-
 async def _json_body(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object; an empty body is an empty object."""
     body = await request.read()
@@ -206,7 +198,10 @@ async def _tick_from(request: web.Request) -> Tick:
     schedule = doc.get("schedule", config.schedule.name)
     if (problem := check_schedule(schedule)) is not None:
         raise ApiError(400, problem)
-    slot = _parse_slot(doc["scheduled_for"]) if "scheduled_for" in doc else None
+    try:
+        slot = parse_slot(doc["scheduled_for"]) if "scheduled_for" in doc else None
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
     ids = doc.get("recipient_ids")
     if ids is not None and config.source.kind != "inline":
         # The run reads its candidates from the configured source: a caller must not

@@ -23,6 +23,7 @@ from yarl import URL
 from supervisor import metrics
 from supervisor.budget.base import Policy
 from supervisor.config import PartnerConfig
+from supervisor.timestamps import epoch_seconds
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +93,8 @@ def parse_retry_after(value: str | None, now: float, maximum: float,
     return min(max(seconds, 0.0), maximum)
 
 
-# A Unix time past this is in milliseconds (it is the year 5138 in seconds), as push.py
-# decides for timestamps; past _EPOCH_FROM it is in seconds (2001): a delay that long
-# (31 years) is no delay anyone means.
-_MILLIS_FROM = 1e11
+# Past this a value is a Unix time (2001, in seconds or milliseconds: timestamps.py), not
+# seconds left: a delay that long (31 years) is no delay anyone means.
 _EPOCH_FROM = 1e9
 # At most this many policies are read from one field: a partner (or a middlebox) that
 # sends thousands must not make every answer cost thousands of steps.
@@ -108,10 +107,8 @@ MAX_NAME = 64
 def reset_seconds(value: float, now: float) -> float:
     """Seconds until a reset given as seconds left, a Unix time in seconds or one in
     milliseconds, told apart by magnitude; a time already past is 0."""
-    if value > _MILLIS_FROM:
-        return max(0.0, value / 1000.0 - now)
     if value > _EPOCH_FROM:
-        return max(0.0, value - now)
+        return max(0.0, epoch_seconds(value) - now)
     return value
 
 

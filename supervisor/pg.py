@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -31,6 +32,34 @@ class Migration:
     component: str  # "ledger", "budget", ...: each counts its own versions
     version: int
     statements: tuple[str, ...]
+
+
+class DbClock:
+    """PostgreSQL's clock read on this host's: this host's wall clock plus the offset to the
+    database's, measured once at open. Everything a replica writes to or compares with
+    the shared tables (the ledger's times, the budget's slots and pauses) is on it, so a
+    replica whose clock is off (no NTP, a VM resumed) schedules nothing off by as much."""
+
+    # An offset within this is a round trip's error, two synchronised clocks: none.
+    TOLERANCE_S = 0.1
+
+    def __init__(self) -> None:
+        self.offset = 0.0  # the database's clock less this host's
+
+    def now(self) -> float:
+        return time.time() + self.offset
+
+    async def measure(self, pool: asyncpg.Pool) -> None:
+        before = time.time()
+        db_now = float(await pool.fetchval(
+            "SELECT extract(epoch from clock_timestamp())::float8"))
+        # The database read its clock about half way through the round trip.
+        offset = db_now - (before + time.time()) / 2
+        self.offset = offset if abs(offset) > self.TOLERANCE_S else 0.0
+        if self.offset:
+            log.warning("this clock and PostgreSQL's differ by %.3f s: keeping PostgreSQL's "
+                        "time; fix this host's (NTP)", -self.offset,
+                        extra={"action": "clock_skew"})
 
 
 VERSION_TABLE = """

@@ -44,6 +44,7 @@ from supervisor.queue.base import (
     QueueStats,
     Unsupported,
 )
+from supervisor.timestamps import epoch_seconds
 
 # "timestamp.body": HMAC over "<timestamp>." + body, the timestamp header required (a
 # replay outside the tolerance fails); "body": HMAC over the raw body alone.
@@ -51,8 +52,6 @@ Scheme = Literal["timestamp.body", "body"]
 SCHEMES: tuple[Scheme, ...] = ("timestamp.body", "body")
 _FIELDS = ("run_id", "operation_id", "recipient_id")
 _TIMESTAMP = re.compile(r"[0-9]{1,16}(\.[0-9]{1,9})?")
-# A Unix time past this is in milliseconds (it is the year 5138 in seconds).
-_MILLIS_FROM = 1e11
 # What a copy is told while the first of its kind is still being worked.
 REPLAY_BUSY_S = 5.0
 # Answers that wrote nothing, or nothing for sure: a copy of one may be worked afresh.
@@ -148,8 +147,7 @@ def verify(settings: PushSettings, headers: Mapping[str, str], body: bytes,
 def _timestamp(text: str) -> float | None:
     if not _TIMESTAMP.fullmatch(text):
         return None
-    value = float(text)
-    return value / 1000.0 if value >= _MILLIS_FROM else value
+    return epoch_seconds(float(text))
 
 
 def parse_delivery(body: bytes) -> Delivery:

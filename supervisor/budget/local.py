@@ -27,9 +27,9 @@ from aiolimiter import AsyncLimiter
 from supervisor.budget import policy
 from supervisor.budget.announced import PACE_WINDOW_S, Announced
 from supervisor.budget.base import Admission, Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
-from supervisor.budget.concurrency import GradientLimit
 from supervisor.budget.policy import BudgetState, PolicyConfig
 from supervisor.budget.quota import RollingQuota
+from supervisor.budget.slots import Slots
 from supervisor.config import LimitsConfig
 
 log = logging.getLogger(__name__)
@@ -72,13 +72,10 @@ class LocalBudget:
         self._bucket: AsyncLimiter | None = None
         self._changed: asyncio.Event | None = None
         self._emptied_for = 0.0  # the pause whose end has emptied the bucket
-        self._concurrency = GradientLimit(limits.concurrency, timeout_s)
-        self._in_flight = 0
-        self._slot_free: asyncio.Event | None = None
+        self._slots = Slots(limits.concurrency, timeout_s)
         self._quotas = [RollingQuota(q.name, q.limit, q.period_seconds) for q in limits.quotas]
         self._announced = Announced(max_pause_s)
         self._saving: asyncio.Task[None] | None = None
-        self._bound_logged = False
 
     # -- persistence -----------------------------------------------------------------
 
@@ -129,12 +126,11 @@ class LocalBudget:
 
     # -- pacing ----------------------------------------------------------------------
 
-    def _ensure(self) -> tuple[AsyncLimiter, asyncio.Event, asyncio.Event]:
-        if self._bucket is None or self._changed is None or self._slot_free is None:
+    def _ensure(self) -> tuple[AsyncLimiter, asyncio.Event]:
+        if self._bucket is None or self._changed is None:
             self._bucket = AsyncLimiter(self._capacity(), self._capacity() / self._state.rate)
             self._changed = asyncio.Event()
-            self._slot_free = asyncio.Event()
-        return self._bucket, self._changed, self._slot_free
+        return self._bucket, self._changed
 
     def _capacity(self) -> float:
         return 1.0 if self._state.strict else self._burst
@@ -148,7 +144,7 @@ class LocalBudget:
         return (until, reason) if until > now else (0.0, "")
 
     async def ready(self) -> None:
-        _, changed, _ = self._ensure()
+        _, changed = self._ensure()
         held = False
         while (until := self._held_until(self._clock())[0]) > 0:
             held = True
@@ -168,24 +164,13 @@ class LocalBudget:
                 return grant
 
     async def admit(self) -> Admission:
-        _, _, slot_free = self._ensure()
-        # The slot first, the token last: the token's timing is what the partner sees.
-        while self._in_flight >= self._concurrency.value:
-            slot_free.clear()
-            await slot_free.wait()
-        self._in_flight += 1
-        try:
-            await self.ready()
-        except BaseException:
-            self._free_slot()
-            raise
-        return Admission(at=self._clock())
+        return await self._slots.admit(self.ready, self._clock)
 
     async def grant(self, admission: Admission) -> Grant | None:
         if admission.spent:
             raise RuntimeError("LocalBudget.grant: this admission was spent already")
         admission.spent = True
-        bucket, _, _ = self._ensure()
+        bucket, _ = self._ensure()
         try:
             if not self._held_until(self._clock())[0]:
                 await bucket.acquire()
@@ -197,29 +182,21 @@ class LocalBudget:
             # A hold began after the admission (or while we waited for the token, which
             # is then forfeit): nothing is granted before it ends.
         except BaseException:
-            self._free_slot()
+            self._slots.free()
             raise
-        self._free_slot()
+        self._slots.free()
         return None
 
     def withdraw(self, admission: Admission) -> None:
-        if not admission.spent:
-            admission.spent = True
-            self._free_slot()
-
-    def _free_slot(self) -> None:
-        self._in_flight -= 1
-        if self._slot_free is not None:
-            self._slot_free.set()
+        self._slots.withdraw(admission)
 
     def release(self, grant: Grant, feedback: Feedback) -> None:
-        self._free_slot()
+        self._slots.free()
         now = self._clock()
         if feedback.policies:
             self._learn(feedback.policies, now)
         if feedback.outcome is Outcome.OK:
-            self._concurrency.sample(feedback.latency_s, self._in_flight + 1)
-            self._bound_check()
+            self._slots.sample(feedback.latency_s, self._state.rate)
             self._set(policy.step(self.cfg, self._state, policy.Success(), now))
         elif feedback.outcome is Outcome.THROTTLED:
             self._set(policy.step(self.cfg, self._state,
@@ -237,16 +214,6 @@ class LocalBudget:
         self._set(policy.step(self.cfg, self._state, announce, now))
         for pause in pauses:
             self._set(policy.step(self.cfg, self._state, pause, now))
-
-    def _bound_check(self) -> None:
-        bound = self._concurrency.bounds(self._state.rate)
-        if bound and not self._bound_logged:
-            log.warning("limits.concurrency = %d bounds the pace: %.1f/s at %.0f ms needs %d "
-                        "in flight", self._concurrency.maximum, self._state.rate,
-                        1000 * (self._concurrency.long or 0.0),
-                        math.ceil(self._state.rate * (self._concurrency.long or 0.0)),
-                        extra={"action": "concurrency_bound"})
-        self._bound_logged = bound
 
     def _set(self, state: BudgetState, save: bool = True) -> None:
         """Take the policy's new state, and do what its change implies."""
@@ -270,9 +237,9 @@ class LocalBudget:
                  for q in self._quotas]
         views += self._announced.views(now, self._state.resumed_at)
         return Snapshot(state=self._state, ceiling=self.cfg.ceiling,
-                        concurrency_limit=self._concurrency.value,
-                        concurrency_max=self._concurrency.maximum, in_flight=self._in_flight,
-                        concurrency_bound=self._concurrency.bounds(self._state.rate),
+                        concurrency_limit=self._slots.limit.value,
+                        concurrency_max=self._slots.limit.maximum, in_flight=self._slots.in_flight,
+                        concurrency_bound=self._slots.limit.bounds(self._state.rate),
                         quotas=tuple(views))
 
 

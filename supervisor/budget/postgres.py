@@ -61,13 +61,13 @@ from supervisor import pg
 from supervisor.budget import policy
 from supervisor.budget.announced import Announced
 from supervisor.budget.base import Admission, Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
-from supervisor.budget.concurrency import GradientLimit
 from supervisor.budget.pg_listen import Listener
 from supervisor.budget.pg_row import MIGRATIONS, BudgetTable, Change, Row, live, new_life, parse
 from supervisor.budget.pg_slots import Block, SlotBook
 from supervisor.budget.pg_view import SharedView
 from supervisor.budget.policy import BudgetState, PolicyConfig
 from supervisor.budget.quota import RollingQuota
+from supervisor.budget.slots import Slots
 from supervisor.config import LimitsConfig
 
 __all__ = ["MIGRATIONS", "PostgresBudget"]
@@ -82,7 +82,6 @@ CLOSE_FLUSH_S = 2.0
 # statement cancelled while the database does not answer may take asyncpg the whole
 # command timeout (30 s) to give up; it is left to do so on its own.
 CLOSE_WAIT_S = 1.0
-SKEW_WARN_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,15 +97,14 @@ class PostgresBudget:
 
     def __init__(self, limits: LimitsConfig, key: str, pool: asyncpg.Pool, dsn: str,
                  schema: str, timeout_s: float = math.inf,
-                 clock: Callable[[], float] = time.time, max_pause_s: float = 900.0) -> None:
+                 clock: Callable[[], float] = time.time, max_pause_s: float = 900.0,
+                 db_clock: pg.DbClock | None = None) -> None:
         self.cfg = PolicyConfig.from_limits(limits, max_pause_s)
         self.key = key
-        self._pool = pool
-        # Added to this host's clock so every replica paces on the database's (start()).
-        self._offset = 0.0
-        self._on_db_clock = clock is time.time
-        if self._on_db_clock:
-            clock = self._db_clock
+        # The ledger's database clock when given: every replica paces on one clock.
+        self._db_clock = db_clock
+        if db_clock is not None:
+            clock = db_clock.now
         self._clock = clock
         self._table = BudgetTable(pool, key, schema)
         self._faults: set[str] = set()
@@ -122,10 +120,7 @@ class PostgresBudget:
                                   on_payload=self._view.on_notify, on_back=self._view.missed,
                                   fault=self._fault, mended=self._mended)
         self._announced = Announced(max_pause_s)
-        self._concurrency = GradientLimit(limits.concurrency, timeout_s)
-        self._in_flight = 0
-        self._slot_free = asyncio.Event()
-        self._bound_logged = False
+        self._slots = Slots(limits.concurrency, timeout_s)
         self._refresher: asyncio.Task[None] | None = None
         self._listening: asyncio.Task[None] | None = None
         self._closing: asyncio.Future[None] | None = None
@@ -143,28 +138,9 @@ class PostgresBudget:
 
     # -- life ------------------------------------------------------------------------
 
-    def _db_clock(self) -> float:
-        return time.time() + self._offset
-
-    async def _measure_offset(self) -> None:
-        before = time.time()
-        async with self._pool.acquire() as conn:
-            db_now = float(await conn.fetchval(
-                "SELECT extract(epoch from clock_timestamp())::float8"))
-        # The database read its clock about half way through the round trip. An offset
-        # within the round trip's error is two synchronised clocks: keep this host's.
-        offset = db_now - (before + time.time()) / 2
-        self._offset = offset if abs(offset) > SKEW_WARN_S else 0.0
-
     async def start(self) -> None:
         if self._refresher is not None:
             return
-        if self._on_db_clock:
-            await self._measure_offset()
-            if abs(self._offset) > SKEW_WARN_S:
-                log.warning("this clock and PostgreSQL's differ by %.3f s: pacing on "
-                            "PostgreSQL's clock; fix this host's time (NTP)", -self._offset,
-                            extra={"action": "budget_clock_skew"})
         alone = await self._listener.connect(first=True)
         try:
             row, _ = await self._table.open(
@@ -263,16 +239,7 @@ class PostgresBudget:
 
     async def admit(self) -> Admission:
         self._check_open()
-        while self._in_flight >= self._concurrency.value:
-            self._slot_free.clear()
-            await self._slot_free.wait()
-        self._in_flight += 1
-        try:
-            await self.ready()
-        except BaseException:
-            self._free_slot()
-            raise
-        return Admission(at=self._clock())
+        return await self._slots.admit(self.ready, self._clock)
 
     async def grant(self, admission: Admission) -> Grant | None:
         if admission.spent:
@@ -293,17 +260,15 @@ class PostgresBudget:
                 # A pause began while we waited for the slot: the slot is forfeit.
             # A hold began after the admission: nothing is granted before it ends.
         except BaseException:
-            self._free_slot()
+            self._slots.free()
             raise
         finally:
             self._book.acquiring -= 1
-        self._free_slot()
+        self._slots.free()
         return None
 
     def withdraw(self, admission: Admission) -> None:
-        if not admission.spent:
-            admission.spent = True
-            self._free_slot()
+        self._slots.withdraw(admission)
 
     def _check_open(self) -> None:
         if self._refresher is None or self._view.closed:
@@ -373,18 +338,13 @@ class PostgresBudget:
         self._view.adopt(await self._table.locked(decide), self._view.next_seq())
         return Block(slots, gen, now)
 
-    def _free_slot(self) -> None:
-        self._in_flight -= 1
-        self._slot_free.set()
-
     def release(self, grant: Grant, feedback: Feedback) -> None:
-        self._free_slot()
+        self._slots.free()
         now = self._clock()
         if feedback.policies:
             self._learn(feedback.policies, now)
         if feedback.outcome is Outcome.OK:
-            self._concurrency.sample(feedback.latency_s, self._in_flight + 1)
-            self._bound_check()
+            self._slots.sample(feedback.latency_s, self._view.state.rate)
             self._view.success(now)
         elif feedback.outcome is Outcome.THROTTLED:
             # Whether it cuts is decided by the cut it was paced under, not by clocks: see
@@ -405,17 +365,6 @@ class PostgresBudget:
         self._view.event(announce, now)
         for pause in pauses:
             self._view.event(pause, now)
-
-    def _bound_check(self) -> None:
-        rate = self._view.state.rate
-        bound = self._concurrency.bounds(rate)
-        if bound and not self._bound_logged:
-            log.warning("limits.concurrency = %d bounds the pace: %.1f/s at %.0f ms needs %d "
-                        "in flight", self._concurrency.maximum, rate,
-                        1000 * (self._concurrency.long or 0.0),
-                        math.ceil(rate * (self._concurrency.long or 0.0)),
-                        extra={"action": "concurrency_bound"})
-        self._bound_logged = bound
 
     def _fault(self, what: str, exc: Exception) -> None:
         """Log a failed ``what`` once (a warning) until it works again."""
@@ -438,14 +387,14 @@ class PostgresBudget:
         views = [QuotaView(q.name, q.limit, q.window_s, q.remaining(now) + len(self._book),
                            q.resets_at(now)) for q in self._view.quotas]
         views += self._announced.views(now, state.resumed_at)
-        if self._offset:
+        if self._db_clock is not None and self._db_clock.offset:
             # Callers hold this host's clock against it (time.time()): the budget's times
             # are PostgreSQL's, so they are handed over on this host's.
-            state, views = _on_host_clock(state, views, self._offset)
+            state, views = _on_host_clock(state, views, self._db_clock.offset)
         return Snapshot(state=state, ceiling=self.cfg.ceiling,
-                        concurrency_limit=self._concurrency.value,
-                        concurrency_max=self._concurrency.maximum, in_flight=self._in_flight,
-                        concurrency_bound=self._concurrency.bounds(state.rate),
+                        concurrency_limit=self._slots.limit.value,
+                        concurrency_max=self._slots.limit.maximum, in_flight=self._slots.in_flight,
+                        concurrency_bound=self._slots.limit.bounds(state.rate),
                         quotas=tuple(views))
 
 

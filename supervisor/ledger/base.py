@@ -231,6 +231,8 @@ class Ledger(Protocol):
         ``owner`` holds the operation for ``busy_s``: meanwhile another owner's attempt
         raises OperationBusy, so two workers never have one operation in flight.
         ``supersedes_open``: an earlier attempt may be unfinished; record it as unknown.
+        Without it, an unfinished one raises AttemptOpen and nothing is written (no
+        idempotency keys: a resend after an unknown outcome would be blind).
         """
 
     async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,

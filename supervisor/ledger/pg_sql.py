@@ -254,9 +254,8 @@ RECORD_OUTBOX = (
 )
 # Returned with the count: how much longer the operation is held (an attempt's guard, a
 # retry not yet due), as this write saw it.
-# How long an operation is still held: an in-flight guard on the database's clock (see
-# the module docstring), a retry's due time on the clock of the replica that wrote it
-# (the bookkeeping's, $1).
+# How long an operation is still held: its in-flight guard, or its retry's due time ($1,
+# the ledger's now: both are on the database's clock, see the module docstring).
 _HELD_S = (
     f"GREATEST(0, CASE state WHEN 'in_flight' THEN COALESCE(busy_until, 0) - {DB_NOW}"
     " WHEN 'retry_wait' THEN COALESCE(due_at, 0) - $1 ELSE 0 END)"
@@ -363,6 +362,7 @@ SUPERSEDE_AND_INSERT_ATTEMPT = (
     "INSERT INTO attempts (operation_id, n, kind, started_at) VALUES ($1, $2, $3, $4) "
     "RETURNING id"
 )
+HAS_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE operation_id = $1 AND outcome IS NULL LIMIT 1"
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = $1, outcome = 'unknown', "
     "detail = 'no outcome recorded (process stopped or lease lost)' "

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -38,8 +37,6 @@ STORAGE = (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.Inter
            asyncpg.AdminShutdownError, asyncpg.OperatorInterventionError)
 # Channels replicas wake one another on.
 CHANNELS = ("queue", "runs", "outbox", "finished")
-# An offset to the database's clock within this is a round trip's error, not a skew.
-CLOCK_TOLERANCE_S = 0.1
 
 
 class PgDatabase:
@@ -50,7 +47,7 @@ class PgDatabase:
         self.schema = schema
         self.replica = replica
         self.pool_size = pool_size
-        self.offset = 0.0  # the database's clock less this host's (see now())
+        self.clock = pg.DbClock()  # measured at open: the time this replica keeps
         self._pool: asyncpg.Pool | None = None
         self.healthy = False
         self.last_error: str | None = None
@@ -67,29 +64,18 @@ class PgDatabase:
             raise StorageError("ledger is not open")
         return self._pool
 
-    def now(self) -> float:
-        """The database's clock, read on this host's: what every time this replica writes
-        or compares is on, so one whose clock is off schedules nothing off by as much."""
-        return time.time() + self.offset
+    @property
+    def offset(self) -> float:
+        return self.clock.offset
 
-    async def _measure_clock(self, pool: asyncpg.Pool) -> None:
-        before = time.time()
-        db_now = float(await pool.fetchval(
-            "SELECT extract(epoch from clock_timestamp())::float8"))
-        # Read about half way through the round trip; an offset within its error is two
-        # synchronised clocks.
-        offset = db_now - (before + time.time()) / 2
-        self.offset = offset if abs(offset) > CLOCK_TOLERANCE_S else 0.0
-        if self.offset:
-            log.warning("this clock and PostgreSQL's differ by %.3f s: the ledger keeps "
-                        "PostgreSQL's time; fix this host's (NTP)", -self.offset,
-                        extra={"action": "ledger_clock_skew"})
+    def now(self) -> float:
+        return self.clock.now()
 
     async def open(self, migrations: tuple[pg.Migration, ...] = ()) -> list[str]:
         self._pool = await pg.create_pool(self.dsn, self.schema, max_size=self.pool_size)
         try:
             applied = await pg.migrate(self._pool, self.schema, migrations) if migrations else []
-            await self._measure_clock(self._pool)
+            await self.clock.measure(self._pool)
         except (asyncpg.PostgresError, *STORAGE) as exc:
             await self.close()
             raise StorageError(f"cannot migrate schema {self.schema}: {exc}") from exc

@@ -22,7 +22,7 @@ import asyncpg
 import orjson
 
 from supervisor import pg, states
-from supervisor.errors import OperationBusy, ReplicaFenced, ScanConflict
+from supervisor.errors import AttemptOpen, OperationBusy, ReplicaFenced, ScanConflict
 from supervisor.ledger import pg_sql as sql
 from supervisor.ledger.base import (
     Attempt,
@@ -280,7 +280,12 @@ class PostgresLedger:
             n = await _transition(conn, operation_id, OpState.IN_FLIGHT, None, count=1,
                                   now=now, owner=owner, holder=self.db.replica,
                                   busy_s=busy_s if busy_s > 0 else None)
-            insert = sql.SUPERSEDE_AND_INSERT_ATTEMPT if supersedes_open else sql.INSERT_ATTEMPT
+            if supersedes_open:
+                insert = sql.SUPERSEDE_AND_INSERT_ATTEMPT
+            elif await conn.fetchval(sql.HAS_OPEN_ATTEMPT, operation_id) is not None:
+                raise AttemptOpen(operation_id)  # the transaction undoes the transition
+            else:
+                insert = sql.INSERT_ATTEMPT
             return int(await conn.fetchval(insert, operation_id, n, kind, now))
 
         return await self.db.write(write)

@@ -401,6 +401,7 @@ _OWNED = (
 OWNS_ATTEMPT = f"SELECT 1 FROM operations WHERE {_OWNED}"
 KEEP_ATTEMPT = f"UPDATE operations SET busy_until = :busy_until WHERE {_OWNED}"
 # A redelivery found the last attempt unfinished: its outcome is unknown for good.
+HAS_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE operation_id = ? AND outcome IS NULL LIMIT 1"
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = ?, outcome = 'unknown', "
     "detail = 'no outcome recorded (process stopped or lease lost)' "

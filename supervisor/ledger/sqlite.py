@@ -20,7 +20,7 @@ import aiosqlite
 import orjson
 
 from supervisor import states
-from supervisor.errors import OperationBusy, ScanConflict, StorageError
+from supervisor.errors import AttemptOpen, OperationBusy, ScanConflict, StorageError
 from supervisor.ledger import outbox, sql
 from supervisor.ledger.base import (
     Attempt,
@@ -266,12 +266,14 @@ class SqliteLedger(outbox.OutboxMixin):
                                   owner=owner, busy_until=now + busy_s if busy_s > 0 else None)
             if supersedes_open:
                 await conn.execute(sql.CLOSE_OPEN_ATTEMPTS, (now, operation_id))
+            elif await conn.execute_fetchall(sql.HAS_OPEN_ATTEMPT, (operation_id,)):
+                raise AttemptOpen(operation_id)  # the savepoint undoes the transition
             rows = await conn.execute_fetchall(sql.INSERT_ATTEMPT, (operation_id, n, kind, now))
             return int(next(iter(rows))[0])
 
         # The guarded transition is the first statement and raises before anything is
-        # written, so this write needs no savepoint of its own.
-        return await self.db.write(write, savepoint=False)
+        # written; only the open-attempt refusal comes after a write, and needs undoing.
+        return await self.db.write(write, savepoint=not supersedes_open)
 
     async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,
                            busy_s: float) -> bool:

@@ -25,7 +25,13 @@ from typing import Any
 
 import pytest
 
-from supervisor.errors import IllegalTransition, OperationBusy, ScanConflict, StorageError
+from supervisor.errors import (
+    AttemptOpen,
+    IllegalTransition,
+    OperationBusy,
+    ScanConflict,
+    StorageError,
+)
 from supervisor.ledger import pg_sql
 from supervisor.ledger.base import (
     Backlog,
@@ -718,10 +724,13 @@ class TestLedgerContract:
         op = await operation(ledger, op_id)
         assert op.attempts == 2
         assert op.unfinished_attempt
-        # Without superseding, the open attempt stays open beside the new one.
-        third = await ledger.begin_attempt(op_id, "delete", supersedes_open=False)
-        assert [(a.id, a.outcome) for a in await ledger.attempts(op_id)][1:] == [
-            (second, None), (third, None)]
+        # Without superseding (no idempotency keys), an open attempt is refused and nothing
+        # is written: its outcome is unknown, and a resend after it would be blind.
+        with pytest.raises(AttemptOpen):
+            await ledger.begin_attempt(op_id, "delete", supersedes_open=False)
+        assert [(a.id, a.outcome) for a in await ledger.attempts(op_id)][1:] == [(second, None)]
+        after = await operation(ledger, op_id)
+        assert (after.state, after.attempts) == (op.state, op.attempts)
 
     async def test_a_settlement_of_a_superseded_attempt_is_discarded(
             self, backend: Backend) -> None:

@@ -24,8 +24,8 @@ async def test_a_fixed_window_announced_in_epoch_time_is_drained(e2e, dialect) -
     # The ceiling twice the partner's limit: only its headers keep the pace.
     svc = e2e.service(sandbox, {"limits": {"rate_per_second": 2.0 * RATE}})
     await svc.start()
-    started = time.time()
     run_id = await svc.open_run()
+    # Drained (the old reading paused every worker for 56,000 years): the run ends.
     run = await svc.wait_done(run_id, within_s=90)
     _, stats = await e2e.assert_complete(svc, run, sandbox)
     m = await svc.metrics()
@@ -33,8 +33,9 @@ async def test_a_fixed_window_announced_in_epoch_time_is_drained(e2e, dialect) -
     assert m.value("cleanup_limiter_paused_until_timestamp_seconds") < time.time() + 2
     assert m.get("cleanup_partner_header_ignored_total", 0.0,
                  header="X-RateLimit-Reset") == 0.0
-    # Paced, not stalled: the ideal is N / R = 10 s; allow a loaded machine its slack.
-    assert time.time() - started < 4 * N / RATE, stats
+    # Paced by the headers, not by 429s: at a ceiling of twice the partner's limit, a
+    # service that misread them would be refused about every other request.
+    assert stats["rate_limited"] <= N // 10, stats
 
 
 async def test_a_saved_pause_longer_than_allowed_is_dropped_at_the_restart(e2e) -> None:

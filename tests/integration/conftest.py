@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.ledger.base import Settlement
 from supervisor.ledger.database import Database
 from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.queue.courier import Courier
 from supervisor.queue.sqlite import SqliteQueue
+from supervisor.states import OpState
 
 
 @pytest.fixture
@@ -65,3 +68,16 @@ HoldWriter = Callable[[], AbstractAsyncContextManager[Callable[[], Awaitable[int
 @pytest.fixture
 def hold_writer(db: Database) -> HoldWriter:
     return lambda: writer_held(db)
+
+
+async def ambiguous_operation(ledger: SqliteLedger, queue: SqliteQueue) -> str:
+    """A one-recipient run whose only operation's DELETE had an unknown outcome."""
+    opened = await ledger.open_run("weekly@1", "weekly", None, {"kind": "inline"}, False)
+    assert opened.run is not None
+    await ledger.record_page(opened.run.id, ["r-000001"], None, 0)
+    await Courier(ledger, queue).publish(await ledger.unpublished(10))
+    [d] = await queue.receive(1, 60)
+    attempt = await ledger.begin_attempt(d.message.operation_id, "delete")
+    await ledger.settle([Settlement(d.message.operation_id, OpState.AMBIGUOUS, d,
+                                    attempt_id=attempt, outcome="ambiguous")])
+    return d.message.operation_id

@@ -9,14 +9,14 @@ from supervisor import metrics
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config, LimitsConfig, PartnerConfig, QueueConfig
 from supervisor.consumer import ConsumerPool
-from supervisor.ledger.base import Settlement
 from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.partner import PartnerClient
-from supervisor.queue.courier import Courier
 from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
 from supervisor.sandbox import SandboxConfig, run_sandbox
 from supervisor.states import OpState
+
+from .conftest import ambiguous_operation
 
 
 def total(outcome: str) -> float:
@@ -25,14 +25,7 @@ def total(outcome: str) -> float:
 
 async def test_ambiguous_then_deleted_is_counted_once(ledger: SqliteLedger,
                                                       queue: SqliteQueue) -> None:
-    opened = await ledger.open_run("weekly@1", "weekly", None, {"kind": "inline"}, False)
-    assert opened.run is not None
-    await ledger.record_page(opened.run.id, ["r-000001"], None, 0)
-    await Courier(ledger, queue).publish(await ledger.unpublished(10))
-    [d] = await queue.receive(1, 60)
-    attempt = await ledger.begin_attempt(d.message.operation_id, "delete")
-    await ledger.settle([Settlement(d.message.operation_id, OpState.AMBIGUOUS, d,
-                                    attempt_id=attempt, outcome="ambiguous")])
+    op_id = await ambiguous_operation(ledger, queue)
     metrics.count_settled(OpState.AMBIGUOUS.value)  # as the consumer counts it
     deleted, ambiguous = total("deleted"), metrics.AMBIGUOUS_ENTERED._value.get()
     # The recipient is gone at the partner: the probe finds it absent.
@@ -43,7 +36,7 @@ async def test_ambiguous_then_deleted_is_counted_once(ledger: SqliteLedger,
         try:
             reconciler = Reconciler(cfg, ledger, queue, LocalBudget(LimitsConfig(), key="t"),
                                     partner)
-            op = await ledger.get_operation(d.message.operation_id)
+            op = await ledger.get_operation(op_id)
             assert op is not None
             await reconciler.probe(op)
         finally:

@@ -13,28 +13,16 @@ import pytest
 from supervisor import metrics
 from supervisor.budget.local import LocalBudget
 from supervisor.config import LimitsConfig, PartnerConfig
-from supervisor.ledger.base import Settlement
 from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient, Presence
-from supervisor.queue.courier import Courier
 from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
 from supervisor.runs import RunWatch
 from supervisor.sandbox import SandboxConfig, run_sandbox
 from supervisor.states import OpState
 
-
-async def _ambiguous(ledger: SqliteLedger, queue: SqliteQueue) -> str:
-    opened = await ledger.open_run("weekly@1", "weekly", None, {"kind": "inline"}, False)
-    assert opened.run is not None
-    await ledger.record_page(opened.run.id, ["r-000001"], None, 0)
-    await Courier(ledger, queue).publish(await ledger.unpublished(10))
-    [d] = await queue.receive(1, 60)
-    attempt = await ledger.begin_attempt(d.message.operation_id, "delete")
-    await ledger.settle([Settlement(d.message.operation_id, OpState.AMBIGUOUS, d,
-                                    attempt_id=attempt, outcome="ambiguous")])
-    return d.message.operation_id
+from .conftest import ambiguous_operation
 
 
 @pytest.fixture
@@ -56,7 +44,7 @@ async def test_an_inconclusive_probe_backs_off_capped_and_is_counted(
         ledger: SqliteLedger, queue: SqliteQueue,
         partner: tuple[PartnerConfig, PartnerClient]) -> None:
     cfg, client = partner
-    op_id = await _ambiguous(ledger, queue)
+    op_id = await ambiguous_operation(ledger, queue)
     budget = LocalBudget(LimitsConfig(), key="t")
     reconciler = Reconciler(cfg, ledger, queue, budget, client)
     monitor = Monitor(ledger, queue, budget, RunWatch())
@@ -92,7 +80,7 @@ async def test_an_inconclusive_probe_backs_off_capped_and_is_counted(
 async def test_a_put_off_probe_comes_due_again(ledger: SqliteLedger,
                                                queue: SqliteQueue) -> None:
     """The wait puts the probe off, it does not drop it: once past, the operation is due."""
-    op_id = await _ambiguous(ledger, queue)
+    op_id = await ambiguous_operation(ledger, queue)
     await ledger.record_evidence(op_id, "probe", OpState.AMBIGUOUS, "ambiguous",
                                  "inconclusive: probe HTTP 503", probe_after_s=0.0)
     [due] = await ledger.ambiguous_due(time.time() + 1, 10)

@@ -24,7 +24,7 @@ from supervisor.errors import (
 )
 from supervisor.ledger.base import Disposition, Ledger, Operation, Received, Settlement
 from supervisor.outcomes import decide, feedback
-from supervisor.ownership import BUSY_SLACK_S, Ownership
+from supervisor.ownership import Ownership
 from supervisor.partner import Answer, PartnerClient, Verdict
 from supervisor.push import PushedQueue, PushOutcome
 from supervisor.queue.base import Delivery, Queue
@@ -90,12 +90,10 @@ class ConsumerPool:
         self._empty_at = 0.0
         self._fetcher: asyncio.Task[None] | None = None
         self._extender: asyncio.Task[None] | None = None
-        # How long a request may take by its own timeouts: the hold it needs once it left.
-        self._cover_s = config.partner.request_bound_seconds
-        # How long an attempt holds its operation: the request's own bound, plus slack;
-        # renewed every half slack while it waits for its token, so it never runs out.
-        self._busy_s = self._cover_s + BUSY_SLACK_S
-        self._owned = Ownership(ledger, budget, cover_s=self._cover_s, slack_s=BUSY_SLACK_S)
+        # An attempt holds its operation for its request's own bound plus slack, renewed
+        # while it waits for its token (supervisor/ownership.py), so it never runs out.
+        self._owned = Ownership(ledger, budget, cover_s=config.partner.request_bound_seconds)
+        self._busy_s = self._owned.busy_s
 
     async def run(self) -> None:
         self._stopping.clear()

@@ -6,11 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo scale-demo test lint typecheck unit bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml sandbox/pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev]' -e ./sandbox
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy --strict supervisor
+	$(BIN)/mypy --strict supervisor sandbox/cleanup_sandbox
 
 unit: $(STAMP)
 	$(BIN)/pytest tests -q

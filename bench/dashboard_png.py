@@ -37,7 +37,7 @@ from dashboard_draw import PanelData, Series, draw_dashboard, summary_line
 from paths import OUT, PY, REPO, log_path
 from processes import Partner, Service, clean_env, dump_toml, free_port, stop_process
 
-from supervisor.sandbox.sink import WebhookSink
+from cleanup_sandbox.sink import WebhookSink
 
 DASHBOARD = REPO / "packaging" / "grafana" / "cleanup-supervisor.json"
 ALERT_RULES = REPO / "packaging" / "alerts.yml"
@@ -180,7 +180,7 @@ async def partner(http: aiohttp.ClientSession, token: str) -> AsyncIterator[Part
     log = log_path("dashboard", "png", "partner")
     with log.open("wb") as err:
         proc = await asyncio.create_subprocess_exec(
-            PY, "-m", "supervisor.sandbox", "--port", "0", "--token-env", "SANDBOX_TOKEN",
+            PY, "-m", "cleanup_sandbox", "--port", "0", "--token-env", "SANDBOX_TOKEN",
             "--recipients", str(RECIPIENTS), "--rate", f"{PARTNER_RATE:g}",
             "--burst", f"{PARTNER_BURST:g}", "--latency-ms", f"{LATENCY_MS:g}",
             stdout=asyncio.subprocess.PIPE, stderr=err, env=clean_env(SANDBOX_TOKEN=token),

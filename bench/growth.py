@@ -39,10 +39,10 @@ def write_candidates(path: Path, n: int) -> None:
 
 async def scan_and_publish(source: Path, data_dir: Path) -> dict[str, float]:
     from supervisor import config
-    from supervisor.ledger.database import Database
-    from supervisor.ledger.sqlite import SqliteLedger
-    from supervisor.queue.sqlite import SqliteQueue
     from supervisor.scan import Publisher, Scanner
+    from supervisor.sqlite.database import Database
+    from supervisor.sqlite.ledger import SqliteLedger
+    from supervisor.sqlite.queue import SqliteQueue
     from supervisor.states import RunState
 
     cfg = config.load(REPO / "config/default.toml", {

@@ -35,7 +35,7 @@ def build(path: Path, history: int) -> None:
     """Runs, operations and attempts by bulk SQL, on the service's own schema."""
     import sqlite3
 
-    from supervisor.ledger import sql
+    from supervisor.sqlite import sql
 
     conn = sqlite3.connect(path)
     conn.executescript(sql.SCHEMA)
@@ -85,10 +85,10 @@ def build(path: Path, history: int) -> None:
 
 
 async def timings(path: Path) -> dict[str, float]:
-    from supervisor.ledger.base import Settlement
-    from supervisor.ledger.database import Database
-    from supervisor.ledger.sqlite import SqliteLedger
-    from supervisor.queue.sqlite import SqliteQueue
+    from supervisor.model import Settlement
+    from supervisor.sqlite.database import Database
+    from supervisor.sqlite.ledger import SqliteLedger
+    from supervisor.sqlite.queue import SqliteQueue
     from supervisor.states import OpState
 
     db = Database(path)

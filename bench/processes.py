@@ -1,6 +1,6 @@
 """The bench's processes: the partner simulator, the service, and what is read off them.
 
-* the partner: ``python -m supervisor.sandbox`` with the scenario's rate and the cell's
+* the partner: ``python -m cleanup_sandbox`` with the scenario's rate and the cell's
   shape, on a free loopback port; its stats, execution log and control endpoint;
 * the service: ``python -m supervisor serve --config <tmp toml>``, the TOML being
   ``config/default.toml`` with the data dir, listen port, source, partner, the
@@ -138,7 +138,7 @@ async def sandbox(sc: Scenario, http: aiohttp.ClientSession,
     log = log_path(sc.name, sc.cell.name, f"{tool}-partner" if tool else "partner")
     with log.open("wb") as err:
         proc = await asyncio.create_subprocess_exec(
-            PY, "-m", "supervisor.sandbox", "--port", "0", "--token-env", "SANDBOX_TOKEN",
+            PY, "-m", "cleanup_sandbox", "--port", "0", "--token-env", "SANDBOX_TOKEN",
             *sc.sandbox_args(), stdout=asyncio.subprocess.PIPE, stderr=err,
             env=clean_env(SANDBOX_TOKEN=token), cwd=REPO)
     try:
@@ -173,7 +173,7 @@ async def infrai_emulator(sc: Scenario, http: aiohttp.ClientSession) -> AsyncIte
     log = log_path(sc.name, sc.cell.name, "infrai")
     with log.open("wb") as err:
         proc = await asyncio.create_subprocess_exec(
-            PY, "-m", "supervisor.sandbox.infrai", "--port", "0", "--key-env", "EMU_KEY",
+            PY, "-m", "cleanup_sandbox.infrai", "--port", "0", "--key-env", "EMU_KEY",
             "--control-key-env", "EMU_CONTROL", "--latency-ms", str(sc.infrai_latency_ms),
             stdout=asyncio.subprocess.PIPE, stderr=err,
             env=clean_env(EMU_KEY=key, EMU_CONTROL=control), cwd=REPO)

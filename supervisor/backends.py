@@ -5,7 +5,7 @@ Embedded (``ledger.backend = "sqlite"``): one file under the data-dir lock, one 
 leases and in-flight guards left by a previous life are released at start, because their
 owner is certainly gone. Scale-out (``"postgres"``): N replicas on one database; nothing is
 released at start (its owner may be a live replica), a dead replica's work is released by
-whichever replica notices (:class:`~supervisor.replicas.Membership`), singleton roles are
+whichever replica notices (:class:`~supervisor.postgres.replicas.Membership`), singleton roles are
 advisory locks, and one rate budget is shared through the database.
 """
 
@@ -20,22 +20,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from supervisor import pg
 from supervisor.budget.base import RateBudget
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config
 from supervisor.errors import StartupError, StorageError
-from supervisor.ledger import pg_sql
 from supervisor.ledger.base import LedgerStore
-from supervisor.ledger.database import Database
-from supervisor.ledger.pgdb import PgDatabase
-from supervisor.ledger.postgres import PostgresLedger
-from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.postgres import connect as pg
+from supervisor.postgres import sql as pg_sql
+from supervisor.postgres.database import PgDatabase
+from supervisor.postgres.ledger import PostgresLedger
+from supervisor.postgres.queue import PostgresQueue
+from supervisor.postgres.replicas import AdvisoryRoles, Membership, new_replica_id
 from supervisor.queue.base import Queue
 from supervisor.queue.infrai import InfraiQueue
-from supervisor.queue.postgres import PostgresQueue
-from supervisor.queue.sqlite import SqliteQueue
-from supervisor.replicas import AdvisoryRoles, LocalRoles, Membership, Roles, new_replica_id
+from supervisor.roles import LocalRoles, Roles
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
+from supervisor.sqlite.queue import SqliteQueue
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class DataDirLock:
 def pg_migrations() -> tuple[pg.Migration, ...]:
     """Every component's migrations: the ledger's, the queue's (the same tables) and the
     shared budget's."""
-    from supervisor.budget.postgres import MIGRATIONS as BUDGET
+    from supervisor.postgres.budget import MIGRATIONS as BUDGET
 
     return pg_sql.MIGRATIONS + BUDGET
 
@@ -167,7 +168,7 @@ async def _open_sqlite(c: Config) -> Backends:
 
 
 async def _open_postgres(c: Config) -> Backends:
-    from supervisor.budget.postgres import PostgresBudget
+    from supervisor.postgres.budget import PostgresBudget
 
     assert c.ledger.dsn is not None  # config validation requires it
     dsn = c.ledger.dsn.reveal()

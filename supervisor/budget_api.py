@@ -25,7 +25,7 @@ from aiohttp import web
 from supervisor.apiauth import Scope, authorize
 from supervisor.budget.base import Snapshot
 from supervisor.errors import StorageError
-from supervisor.ledger.base import OperatorAction
+from supervisor.model import OperatorAction
 from supervisor.openapi import PRINTABLE
 
 if TYPE_CHECKING:

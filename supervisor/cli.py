@@ -74,14 +74,14 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
     async def migrate() -> list[str]:
         if cfg.ledger.backend == "sqlite":
-            from supervisor.ledger.database import Database
+            from supervisor.sqlite.database import Database
 
             db = Database(cfg.ledger_path)
             await db.open()  # a SQLite file gains what it lacks at every open
             await db.close()
             return []
-        from supervisor import pg
         from supervisor.backends import pg_migrations
+        from supervisor.postgres import connect as pg
 
         assert cfg.ledger.dsn is not None
         pool = await pg.create_pool(cfg.ledger.dsn.reveal(), cfg.ledger.schema, max_size=1)
@@ -154,22 +154,21 @@ def _positive_number(kind: type[int] | type[float]) -> Callable[[str], float]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from supervisor.demo import DemoOptions, run_demo
+    # The demos drive the partner simulator and the Infrai emulator, which ship apart from
+    # the service (the cleanup-sandbox distribution): imported here, only for this command.
+    try:
+        from cleanup_sandbox import demo
+    except ImportError:
+        print("error: the demo needs the sandbox: pip install -e ./sandbox (make demo does)",
+              file=sys.stderr)
+        return EXIT_USAGE
 
     logs.configure(args.log_level or "warning")
-    opts = DemoOptions(config_path=Path(args.config), recipients=args.recipients,
-                       partner_rate=args.rate, absent_share=args.absent_share,
-                       fault_5xx=args.fault_5xx, fault_timeout_after_act=args.fault_timeout,
-                       queue=args.queue)
-    if args.shape == "managed":
-        from supervisor.demo_managed import run_managed
-
-        return run_async(run_managed(opts))
-    if args.shape == "scale":
-        from supervisor.demo_scale import run_scale
-
-        return run_async(run_scale(opts))
-    return run_async(run_demo(opts))
+    opts = demo.DemoOptions(config_path=Path(args.config), recipients=args.recipients,
+                            partner_rate=args.rate, absent_share=args.absent_share,
+                            fault_5xx=args.fault_5xx, fault_timeout_after_act=args.fault_timeout,
+                            queue=args.queue)
+    return run_async(demo.run_shape(args.shape, opts))
 
 
 async def _request(method: str, url: str, body: Any = None, tick: bool = False

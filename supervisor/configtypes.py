@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
+# A PostgreSQL schema the service owns: checked once, by the config and again before any
+# statement is built with it (it is spliced into SQL as an identifier).
+SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,39}$")
+
 
 class Secret:
     """A token that never shows itself in logs, reprs or tracebacks."""

@@ -22,12 +22,13 @@ from supervisor.errors import (
     QueueRefused,
     StorageError,
 )
-from supervisor.ledger.base import Disposition, Ledger, Operation, Received, Settlement
+from supervisor.ledger.base import Ledger
+from supervisor.model import Delivery, Disposition, Operation, Received, Settlement
 from supervisor.outcomes import decide, feedback
 from supervisor.ownership import Ownership
 from supervisor.partner import Answer, PartnerClient, Verdict
 from supervisor.push import PushedQueue, PushOutcome
-from supervisor.queue.base import Delivery, Queue
+from supervisor.queue.base import Queue
 from supervisor.queue.courier import Courier
 from supervisor.states import SETTLED, OpState
 

@@ -22,7 +22,8 @@ import orjson
 from aiohttp import web
 
 from supervisor.errors import StorageError
-from supervisor.ledger.base import Ledger, Operation, Run
+from supervisor.ledger.base import Ledger
+from supervisor.model import Operation, Run
 from supervisor.states import OpState
 
 log = logging.getLogger(__name__)

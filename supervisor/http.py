@@ -27,7 +27,8 @@ from supervisor.budget.base import RateBudget
 from supervisor.budget_api import add_budget_routes
 from supervisor.config import Config
 from supervisor.errors import IllegalTransition, StorageError
-from supervisor.ledger.base import Ledger, LedgerStats, Operation, Run
+from supervisor.ledger.base import Ledger
+from supervisor.model import LedgerStats, Operation, Run
 from supervisor.openapi import PRINTABLE, TICK_KEY, document_for
 from supervisor.push import PushReceiver, PushRejected, answer_body, parse_delivery, verify
 from supervisor.readcaps import RETRY_AFTER_S, CapReached, ReadCap, holder_of

@@ -12,7 +12,8 @@ from supervisor import metrics
 from supervisor.budget.base import RateBudget
 from supervisor.errors import StorageError
 from supervisor.exclusions import count_by_reason
-from supervisor.ledger.base import Ledger, LedgerStats
+from supervisor.ledger.base import Ledger
+from supervisor.model import LedgerStats
 from supervisor.queue.base import Queue
 from supervisor.runs import RunSeen, RunWatch
 from supervisor.states import SETTLED, TERMINAL, RunState

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from supervisor.budget.base import Feedback, Outcome
 from supervisor.config import PartnerConfig
-from supervisor.ledger.base import Disposition
+from supervisor.model import Disposition
 from supervisor.partner import Answer, Verdict
 from supervisor.states import OpState
 

@@ -36,14 +36,8 @@ import orjson
 from supervisor import metrics
 from supervisor.configtypes import Secret
 from supervisor.errors import QueueError
-from supervisor.queue.base import (
-    MAX_DELAY_S,
-    Capabilities,
-    Delivery,
-    Message,
-    QueueStats,
-    Unsupported,
-)
+from supervisor.model import Delivery, Message, QueueStats
+from supervisor.queue.base import MAX_DELAY_S, Capabilities, Unsupported
 from supervisor.timestamps import epoch_seconds
 
 # "timestamp.body": HMAC over "<timestamp>." + body, the timestamp header required (a

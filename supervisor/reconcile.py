@@ -20,9 +20,10 @@ import time
 from supervisor import metrics
 from supervisor.budget.base import Feedback, Outcome, RateBudget
 from supervisor.config import PartnerConfig
-from supervisor.ledger.base import Ledger, Operation
+from supervisor.ledger.base import Ledger
+from supervisor.model import Message, Operation
 from supervisor.partner import PartnerClient, Presence
-from supervisor.queue.base import Message, Queue
+from supervisor.queue.base import Queue
 from supervisor.queue.courier import Courier
 from supervisor.states import OpState
 

@@ -15,7 +15,8 @@ from croniter import croniter
 
 from supervisor import metrics
 from supervisor.config import Config
-from supervisor.ledger.base import Ledger, OpenRunResult, Run
+from supervisor.ledger.base import Ledger
+from supervisor.model import OpenRunResult, Run
 from supervisor.states import OpState
 
 log = logging.getLogger(__name__)

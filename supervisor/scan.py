@@ -19,7 +19,8 @@ import aiohttp
 from supervisor import metrics
 from supervisor.config import Config
 from supervisor.errors import ScanConflict, SourceError
-from supervisor.ledger.base import Ledger, Run
+from supervisor.ledger.base import Ledger
+from supervisor.model import Run
 from supervisor.queue.base import Queue
 from supervisor.queue.courier import Courier
 from supervisor.sources import CandidateSource, FileSource, HttpSource, InlineSource

@@ -10,7 +10,7 @@ from zoneinfo import ZoneInfo
 from croniter import croniter
 
 from supervisor.config import ScheduleConfig
-from supervisor.ledger.base import OpenRunResult
+from supervisor.model import OpenRunResult
 from supervisor.runs import RunOpener, Tick
 
 log = logging.getLogger(__name__)

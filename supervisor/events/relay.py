@@ -26,7 +26,8 @@ from supervisor import metrics
 from supervisor.events.settings import EventsConfig
 from supervisor.events.sinks import Sink, SinkError, build_sink
 from supervisor.infrai.settings import InfraiConfig
-from supervisor.ledger.base import Event, EventOutbox
+from supervisor.ledger.base import EventOutbox
+from supervisor.model import Event
 
 log = logging.getLogger(__name__)
 

@@ -2,145 +2,29 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
 
-from supervisor.queue.base import Delivery, Message, QueueStats
-from supervisor.states import OpState, RunState
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """A run. ``source`` is the whole source (an inline run's IDs included) only as
-    get_run and runs_to_scan read it; list reads give ``{"kind": ...}``."""
-
-    id: str
-    tick_key: str
-    schedule: str
-    scheduled_for: float | None
-    state: RunState
-    source: Mapping[str, Any]
-    scan_cursor: str | None
-    scan_pages: int
-    discovered: int
-    skipped_candidates: int
-    scan_failures: int
-    last_error: str | None
-    created_at: float
-    scan_finished_at: float | None
-    finished_at: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class Operation:
-    id: str
-    run_id: str
-    recipient_id: str
-    state: OpState
-    attempts: int
-    reason: str | None
-    created_at: float
-    updated_at: float
-    due_at: float | None = None  # when its message is (or was) due to be delivered
-    # The newest attempt has no outcome: the request may have reached the partner.
-    unfinished_attempt: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    id: int
-    operation_id: str
-    n: int
-    kind: str
-    started_at: float
-    finished_at: float | None
-    status: int | None
-    outcome: str | None
-    detail: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class OpenRunResult:
-    run: Run | None
-    created: bool
-    # Set when no run was opened because another one is unfinished.
-    skipped_for: Run | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PageResult:
-    new_operations: int
-    run_state: RunState
-
-
-class Disposition(enum.Enum):
-    ACK = "ack"  # the operation is settled: the message is done
-    RETRY = "retry"  # claimable again after delay_s
-    KEEP = "keep"  # neither: the transport keeps its lease (it expires or is handed back)
-
-
-@dataclass(frozen=True, slots=True)
-class Settlement:
-    """One operation's outcome: the ledger change and what happens to its message."""
-
-    operation_id: str
-    target: OpState
-    delivery: Delivery | None
-    disposition: Disposition = Disposition.ACK
-    delay_s: float = 0.0
-    reason: str | None = None
-    attempt_id: int | None = None
-    status: int | None = None
-    outcome: str | None = None
-    detail: str | None = None
-    # A throttled attempt is not a failed one: it does not count towards max_attempts.
-    refund_attempt: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Published:
-    """A message now out there for an operation: its ID and when it becomes deliverable."""
-
-    operation_id: str
-    message_id: str | None  # None: the wait is longer than the transport's longest delay
-    due_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Received:
-    """What the ledger knows about one delivery when it arrives."""
-
-    operation: Operation | None  # None: no such operation
-    receives: int  # deliveries since the operation's last outcome, this one included
-    # How much longer someone holds the operation, as it arrived: an attempt's in-flight
-    # guard, or a retry wait not yet due. 0: nobody does.
-    held_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class LedgerStats:
-    ambiguous: int = 0
-    # Ambiguous operations whose last probe was inconclusive (their next one put off).
-    inconclusive: int = 0
-    current_run: Run | None = None
-    current_run_by_state: Mapping[OpState, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class OperatorAction:
-    """One operator's act outside an operation's own record (lifting the budget's pause):
-    what, by whom, why and when, and what it changed (``detail``, a small JSON object)."""
-
-    id: int
-    at: float
-    action: str  # e.g. "budget.resume"
-    by: str
-    reason: str
-    detail: Mapping[str, Any] = field(default_factory=dict)
+from supervisor.model import (
+    Attempt,
+    Backlog,
+    Delivery,
+    Event,
+    LedgerStats,
+    Message,
+    OpenRunResult,
+    Operation,
+    OperatorAction,
+    PageResult,
+    Published,
+    QueueStats,
+    Received,
+    Run,
+    Settlement,
+)
+from supervisor.states import OpState
 
 
 class Ledger(Protocol):
@@ -300,33 +184,6 @@ class Ledger(Protocol):
         """The latest ``limit`` acts of kind ``action``, newest first."""
 
     async def close(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One row of the events outbox: identifiers and an outcome, never a profile.
-
-    ``seq`` orders the outbox and is what a sink's cursor holds; ``id`` is the stable
-    event ID a receiver deduplicates on (the same on every delivery of the event).
-    """
-
-    seq: int
-    id: str
-    kind: str  # "operation.settled" | "run.finished"
-    at: float
-    run_id: str
-    operation_id: str | None = None
-    recipient_id: str | None = None
-    outcome: str | None = None  # the operation's settled state
-    counts: Mapping[str, int] | None = None  # a finished run's operations by state
-
-
-@dataclass(frozen=True, slots=True)
-class Backlog:
-    """What a sink has not taken yet: how many events, and when the oldest was written."""
-
-    events: int
-    oldest_at: float | None
 
 
 class EventOutbox(Protocol):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 
-from supervisor.configtypes import Secret, _positive
+from supervisor.configtypes import SCHEMA_NAME, Secret, _positive
 
 # At most 40 characters: NOTIFY channels (cleanup_<schema>_<name>) must stay under 64.
-SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,39}$")
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,34 +14,13 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
+
+from supervisor.model import Delivery, Message, QueueStats
 
 # The documented ceilings of managed queues (Infrai: 256 KB bodies, 7-day delays).
 MAX_DELAY_S = 7 * 86400.0
 MAX_PAYLOAD_BYTES = 256 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """Identifiers only: never a profile, always far below any transport's size limit."""
-
-    run_id: str
-    operation_id: str
-    recipient_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """One delivery of a message, held under a visibility timeout.
-
-    ``message_id`` is the transport's name for the message (the same on every delivery of
-    it); ``receipt`` names this one delivery: it owns the operation's attempt in the
-    ledger, so two deliveries of one message never have two attempts in flight.
-    """
-
-    message: Message
-    message_id: str
-    receipt: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,21 +34,6 @@ class Capabilities:
     max_delay_s: float = MAX_DELAY_S  # the longest delay publish accepts
     # False: messages arrive by push (HTTP), receive never hands any out.
     pull: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class QueueStats:
-    depth: int  # claimable now
-    parked: int  # waiting for a delayed retry
-    leased: int  # held by a consumer
-    oldest_claimable_age_s: float  # 0 when nothing is claimable
-
-    @classmethod
-    def from_row(cls, row: Sequence[Any], now: float) -> QueueStats:
-        """(claimable, parked, leased, when the oldest claimable one became so)."""
-        oldest = now - row[3] if row[3] is not None else 0.0
-        return cls(depth=row[0], parked=row[1], leased=row[2],
-                   oldest_claimable_age_s=max(0.0, oldest))
 
 
 class Queue(Protocol):

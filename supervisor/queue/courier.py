@@ -18,8 +18,9 @@ from collections.abc import Sequence
 
 from supervisor import metrics
 from supervisor.errors import PartialPublish, QueueError
-from supervisor.ledger.base import Disposition, Ledger, Published, Settlement
-from supervisor.queue.base import Delivery, Message, Queue
+from supervisor.ledger.base import Ledger
+from supervisor.model import Delivery, Disposition, Message, Published, Settlement
+from supervisor.queue.base import Queue
 
 log = logging.getLogger(__name__)
 

@@ -25,15 +25,8 @@ from supervisor import metrics
 from supervisor.config import InfraiConfig
 from supervisor.errors import MessageTooLarge, PartialPublish, QueueError
 from supervisor.infrai.client import InfraiClient, InfraiError
-from supervisor.queue.base import (
-    MAX_DELAY_S,
-    MAX_PAYLOAD_BYTES,
-    Capabilities,
-    Delivery,
-    Message,
-    QueueStats,
-    Unsupported,
-)
+from supervisor.model import Delivery, Message, QueueStats
+from supervisor.queue.base import MAX_DELAY_S, MAX_PAYLOAD_BYTES, Capabilities, Unsupported
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from string import Template
 from typing import Any
 from urllib.parse import quote
 
-from supervisor.ledger.base import Operation
+from supervisor.model import Operation
 from supervisor.reconcile import RESOLUTIONS
 from supervisor.status.auth import Session
 from supervisor.status.views import DASH, clock_text, date_text, duration_text

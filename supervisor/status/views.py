@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.ledger.base import Ledger, LedgerStats, Run
+from supervisor.ledger.base import Ledger
+from supervisor.model import LedgerStats, Run
 from supervisor.states import SETTLED, OpState, RunState
 from supervisor.status.history import History
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
 
 
 @pytest.fixture

@@ -32,26 +32,19 @@ from supervisor.errors import (
     ScanConflict,
     StorageError,
 )
-from supervisor.ledger import pg_sql
-from supervisor.ledger.base import (
-    Backlog,
-    Disposition,
-    LedgerStore,
-    Operation,
-    Published,
-    Run,
-    Settlement,
-)
-from supervisor.ledger.database import Database
-from supervisor.ledger.pgdb import PgDatabase
-from supervisor.ledger.postgres import PostgresLedger
+from supervisor.ledger.base import LedgerStore
 from supervisor.ledger.settings import LedgerConfig
-from supervisor.ledger.sqlite import SqliteLedger
-from supervisor.queue.base import Delivery, Message, Queue
+from supervisor.model import Backlog, Delivery, Disposition, Message, Operation, Published, Run, Settlement
+from supervisor.postgres import sql as pg_sql
+from supervisor.postgres.database import PgDatabase
+from supervisor.postgres.ledger import PostgresLedger
+from supervisor.postgres.queue import PostgresQueue
+from supervisor.postgres.replicas import AdvisoryRoles, Membership
+from supervisor.queue.base import Queue
 from supervisor.queue.courier import Courier
-from supervisor.queue.postgres import PostgresQueue
-from supervisor.queue.sqlite import SqliteQueue
-from supervisor.replicas import AdvisoryRoles, Membership
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
+from supervisor.sqlite.queue import SqliteQueue
 from supervisor.states import OpState, RunState
 
 INLINE = {"kind": "inline"}

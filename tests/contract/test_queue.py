@@ -23,16 +23,17 @@ from typing import Any
 
 import pytest
 
+from cleanup_sandbox.infrai import EmulatorConfig, start_emulator
 from supervisor.config import InfraiConfig, Secret
 from supervisor.errors import QueueError
-from supervisor.ledger import pg_sql
-from supervisor.ledger.database import Database
-from supervisor.ledger.pgdb import PgDatabase
-from supervisor.queue.base import Message, Queue, Unsupported
+from supervisor.model import Message
+from supervisor.postgres import sql as pg_sql
+from supervisor.postgres.database import PgDatabase
+from supervisor.postgres.queue import PostgresQueue
+from supervisor.queue.base import Queue, Unsupported
 from supervisor.queue.infrai import InfraiQueue
-from supervisor.queue.postgres import PostgresQueue
-from supervisor.queue.sqlite import SqliteQueue
-from supervisor.sandbox.infrai import EmulatorConfig, start_emulator
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.queue import SqliteQueue
 
 KEY = "ifr_contract_key"
 

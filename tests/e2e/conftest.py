@@ -2,9 +2,9 @@
 
 Every test drives real processes over loopback HTTP:
 
-* the partner simulator, ``python -m supervisor.sandbox`` (prints ``{"url", "pid"}`` once
+* the partner simulator, ``python -m cleanup_sandbox`` (prints ``{"url", "pid"}`` once
   listening);
-* the Infrai queue emulator, ``python -m supervisor.sandbox.infrai`` (prints ``{"url",
+* the Infrai queue emulator, ``python -m cleanup_sandbox.infrai`` (prints ``{"url",
   "pid"}`` once listening), for services configured with ``queue.backend = "infrai"``;
 * the service, ``python -m supervisor serve --config <tmp toml>`` (logs a line with
   ``action=started`` on stderr once listening), restartable on the same data dir.
@@ -546,7 +546,7 @@ class E2E:
     async def sandbox(self, *args: str | float) -> Sandbox:
         argv = tuple(str(a) for a in args)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "supervisor.sandbox", "--port", "0",
+            sys.executable, "-m", "cleanup_sandbox", "--port", "0",
             "--token-env", "SANDBOX_TOKEN", *argv,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=self.env)
         self.processes.add(proc)
@@ -566,7 +566,7 @@ class E2E:
         control_key = secrets.token_urlsafe(24)
         env = {**self.env, "E2E_INFRAI_KEY": key, "E2E_INFRAI_CONTROL_KEY": control_key}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "supervisor.sandbox.infrai", "--port", "0",
+            sys.executable, "-m", "cleanup_sandbox.infrai", "--port", "0",
             "--key-env", "E2E_INFRAI_KEY", "--control-key-env", "E2E_INFRAI_CONTROL_KEY", *argv,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=env)
         self.processes.add(proc)

@@ -17,8 +17,8 @@ from typing import Any
 import aiohttp
 from conftest import E2E, Metrics, Sandbox, Sections, Service, merge
 
-from supervisor.ledger.pgdb import PgDatabase
-from supervisor.ledger.postgres import PostgresLedger
+from supervisor.postgres.database import PgDatabase
+from supervisor.postgres.ledger import PostgresLedger
 
 SINGLETONS = ("scan", "publisher", "redrive", "monitor")
 

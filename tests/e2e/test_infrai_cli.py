@@ -22,7 +22,7 @@ KEY, CONTROL = "ifr_cli_key", "control-key"
 def emulator() -> Iterator[str]:
     env = {**os.environ, "EMU_KEY": KEY, "EMU_CONTROL": CONTROL}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.sandbox.infrai", "--port", "0", "--key-env",
+        [sys.executable, "-m", "cleanup_sandbox.infrai", "--port", "0", "--key-env",
          "EMU_KEY", "--control-key-env", "EMU_CONTROL", "--nack-route", "/v1/queue/nack"],
         stdout=subprocess.PIPE, env=env)
     assert proc.stdout is not None

@@ -39,8 +39,8 @@ from prometheus_harness import (
 )
 from replica_harness import replica_overrides
 
+from cleanup_sandbox.sink import WebhookSink
 from supervisor.monitor import REFRESH_S
-from supervisor.sandbox.sink import WebhookSink
 from supervisor.states import TERMINAL
 
 pytestmark = pytest.mark.e2e

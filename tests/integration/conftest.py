@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.ledger.base import Settlement
-from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.model import Settlement
 from supervisor.queue.courier import Courier
-from supervisor.queue.sqlite import SqliteQueue
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
+from supervisor.sqlite.queue import SqliteQueue
 from supervisor.states import OpState
 
 

@@ -15,13 +15,13 @@ from supervisor import config as config_module
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config
 from supervisor.http import ApiState, create_app
-from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient
-from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
 from supervisor.runs import RunOpener, RunWatch
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
+from supervisor.sqlite.queue import SqliteQueue
 
 TOKEN = "trigger-token-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

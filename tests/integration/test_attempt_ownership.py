@@ -24,16 +24,16 @@ from dataclasses import dataclass
 
 import pytest
 
+from cleanup_sandbox import SandboxConfig, run_sandbox
+from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config, InfraiConfig, LimitsConfig, PartnerConfig, QueueConfig, Secret
 from supervisor.consumer import ConsumerPool
-from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.partner import PartnerClient
 from supervisor.queue.courier import Courier
 from supervisor.queue.infrai import InfraiQueue
-from supervisor.sandbox import SandboxConfig, run_sandbox
-from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.states import TERMINAL, OpState
 
 KEY = "ifr_ownership_key"

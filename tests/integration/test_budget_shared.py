@@ -22,12 +22,13 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from supervisor.budget import pg_listen, policy
+from supervisor.budget import policy
 from supervisor.budget.base import Feedback, Outcome, Policy
 from supervisor.budget.policy import BudgetState, PolicyConfig
-from supervisor.budget.postgres import MIGRATIONS, PostgresBudget
 from supervisor.config import LimitsConfig, QuotaConfig
-from supervisor.pg import create_pool, migrate
+from supervisor.postgres import listen as pg_listen
+from supervisor.postgres.budget import MIGRATIONS, PostgresBudget
+from supervisor.postgres.connect import create_pool, migrate
 
 KEY = "http://partner"
 CEILING = 50.0
@@ -609,9 +610,9 @@ async def test_a_replica_late_to_hear_of_a_cut_does_not_cut_again(
 REPLICA = """
 import asyncio, json, sys, time
 from supervisor.budget.base import Feedback, Outcome
-from supervisor.budget.postgres import MIGRATIONS, PostgresBudget
+from supervisor.postgres.budget import MIGRATIONS, PostgresBudget
 from supervisor.config import LimitsConfig
-from supervisor.pg import create_pool, migrate
+from supervisor.postgres.connect import create_pool, migrate
 
 async def main(dsn, schema, key, ceiling, begin, stop):
     pool = await create_pool(dsn, schema, min_size=1, max_size=4)

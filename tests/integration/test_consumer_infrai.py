@@ -12,19 +12,19 @@ from dataclasses import dataclass
 
 import pytest
 
+from cleanup_sandbox import SandboxConfig, run_sandbox
+from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor import metrics
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config, InfraiConfig, LimitsConfig, PartnerConfig, QueueConfig, Secret
 from supervisor.consumer import ConsumerPool
-from supervisor.ledger.base import Disposition, Settlement
-from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.model import Disposition, Settlement
 from supervisor.partner import PartnerClient
 from supervisor.queue.courier import Courier
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.redrive import Redriver
-from supervisor.sandbox import SandboxConfig, run_sandbox
-from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.states import TERMINAL, OpState
 
 KEY = "ifr_consumer_key"

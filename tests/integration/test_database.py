@@ -10,11 +10,11 @@ import aiosqlite
 import pytest
 
 from supervisor.errors import StorageError
-from supervisor.ledger import sql
-from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger
-from supervisor.queue.base import Message
-from supervisor.queue.sqlite import SqliteQueue
+from supervisor.model import Message
+from supervisor.sqlite import sql
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
+from supervisor.sqlite.queue import SqliteQueue
 
 from .conftest import HoldWriter
 

@@ -23,6 +23,9 @@ import pytest
 from aiohttp import web
 from prometheus_client import REGISTRY
 
+from cleanup_sandbox import SandboxConfig, run_sandbox
+from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from cleanup_sandbox.state import recipient_ids
 from supervisor.config import (
     Config,
     InfraiConfig,
@@ -45,14 +48,11 @@ from supervisor.events.sinks import (
     idempotency_key,
     signature,
 )
-from supervisor.ledger.base import Event, Run, Settlement
-from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.model import Event, Run, Settlement
 from supervisor.queue.infrai import InfraiQueue
-from supervisor.sandbox import SandboxConfig, run_sandbox
-from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
-from supervisor.sandbox.state import recipient_ids
 from supervisor.service import Service
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.states import OpState
 
 from .conftest import HoldWriter

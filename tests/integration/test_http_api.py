@@ -15,7 +15,7 @@ import pytest
 from supervisor import config as config_module
 from supervisor.errors import StorageError
 from supervisor.http import MAX_INLINE_IDS
-from supervisor.ledger.base import Settlement
+from supervisor.model import Settlement
 from supervisor.queue.courier import Courier
 from supervisor.readcaps import holder_of
 from supervisor.states import OpState

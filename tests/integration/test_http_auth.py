@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 from supervisor import config as config_module
 from supervisor.config import Config
 from supervisor.http import Scope, authorize, requires
-from supervisor.ledger.base import Settlement
+from supervisor.model import Settlement
 from supervisor.queue.courier import Courier
 from supervisor.states import OpState
 

@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor import metrics
 from supervisor.config import InfraiConfig, Secret
 from supervisor.errors import MessageTooLarge, QueueBlocked, QueueError
-from supervisor.queue.base import Message
+from supervisor.model import Message
 from supervisor.queue.infrai import InfraiQueue
-from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 
 KEY = "ifr_adapter_key"
 

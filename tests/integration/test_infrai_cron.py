@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from croniter import croniter
 
+from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor import config as config_module
 from supervisor.config import InfraiConfig, Secret
 from supervisor.infrai.client import InfraiClient
 from supervisor.infrai.cron import CronRefused, InfraiCron, check_expression
-from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 
 from .http_app import TOKEN, running_api
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import IllegalTransition
-from supervisor.ledger.base import Disposition, Run, Settlement
-from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.model import Disposition, Run, Settlement
 from supervisor.queue.courier import Courier
-from supervisor.queue.sqlite import SqliteQueue
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
+from supervisor.sqlite.queue import SqliteQueue
 from supervisor.states import OpState
 
 from .conftest import HoldWriter

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
+from cleanup_sandbox import SandboxConfig, run_sandbox
 from supervisor import metrics
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config, LimitsConfig, PartnerConfig, QueueConfig
 from supervisor.consumer import ConsumerPool
-from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.partner import PartnerClient
-from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
-from supervisor.sandbox import SandboxConfig, run_sandbox
+from supervisor.sqlite.ledger import SqliteLedger
+from supervisor.sqlite.queue import SqliteQueue
 from supervisor.states import OpState
 
 from .conftest import ambiguous_operation

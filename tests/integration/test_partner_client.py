@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
+from cleanup_sandbox import RunningSandbox, SandboxConfig, run_sandbox
 from supervisor.config import PartnerConfig, Secret
 from supervisor.partner import PartnerClient, Presence, Verdict
-from supervisor.sandbox import RunningSandbox, SandboxConfig, run_sandbox
 
 
 @asynccontextmanager

@@ -22,17 +22,16 @@ from typing import Any
 import asyncpg
 import pytest
 
-from supervisor import pg as pgnames
 from supervisor.errors import OperationBusy, ReplicaFenced, ScanConflict
-from supervisor.ledger import pg_sql
-from supervisor.ledger.base import Event, Settlement
-from supervisor.ledger.pgdb import CHANNELS, PgDatabase
-from supervisor.ledger.postgres import PostgresLedger
 from supervisor.ledger.settings import LedgerConfig
-from supervisor.queue.base import Delivery, Message
+from supervisor.model import Delivery, Event, Message, Settlement
+from supervisor.postgres import connect as pgnames
+from supervisor.postgres import sql as pg_sql
+from supervisor.postgres.database import CHANNELS, PgDatabase
+from supervisor.postgres.ledger import PostgresLedger
+from supervisor.postgres.queue import FALLBACK_POLL_S, PostgresQueue
+from supervisor.postgres.replicas import AdvisoryRoles, Membership, RoleLost
 from supervisor.queue.courier import Courier
-from supervisor.queue.postgres import FALLBACK_POLL_S, PostgresQueue
-from supervisor.replicas import AdvisoryRoles, Membership, RoleLost
 from supervisor.states import OpState
 
 CONFIG = LedgerConfig(heartbeat_seconds=0.5, dead_after_seconds=3.0, role_poll_seconds=0.05)

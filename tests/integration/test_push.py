@@ -20,6 +20,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from cleanup_sandbox import SandboxConfig, run_sandbox
+from cleanup_sandbox.infrai import EmulatorConfig, start_emulator
+from cleanup_sandbox.server import RunningSandbox
 from supervisor import cli
 from supervisor.budget.base import Feedback, Outcome
 from supervisor.budget.local import LocalBudget
@@ -36,17 +39,13 @@ from supervisor.consumer import ConsumerPool
 from supervisor.http import ApiState, create_app
 from supervisor.infrai.client import InfraiClient, InfraiError
 from supervisor.infrai.push import SubscribeRefused, Subscription, check_url, subscribe
-from supervisor.ledger.base import Published
-from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.model import Delivery, Message, Published
 from supervisor.partner import PartnerClient
 from supervisor.push import PushedQueue, PushReceiver, PushSettings
-from supervisor.queue.base import Delivery, Message
 from supervisor.reconcile import Reconciler
 from supervisor.runs import RunOpener, RunWatch
-from supervisor.sandbox import SandboxConfig, run_sandbox
-from supervisor.sandbox.infrai import EmulatorConfig, start_emulator
-from supervisor.sandbox.server import RunningSandbox
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.states import OpState
 
 from .http_app import load_config, running_api

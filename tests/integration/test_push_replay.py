@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from supervisor.ledger.base import Disposition, Settlement
+from supervisor.model import Disposition, Message, Settlement
 from supervisor.push import parse_delivery
-from supervisor.queue.base import Message
 from supervisor.states import OpState
 
 from .conftest import writer_held

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from supervisor.ledger.database import Database
-from supervisor.queue.base import Message
-from supervisor.queue.sqlite import SqliteQueue
+from supervisor.model import Message
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.queue import SqliteQueue
 
 
 def msg(i: int, run: str = "run_1") -> Message:

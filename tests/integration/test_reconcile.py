@@ -10,16 +10,16 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from cleanup_sandbox import SandboxConfig, run_sandbox
 from supervisor import metrics
 from supervisor.budget.local import LocalBudget
 from supervisor.config import LimitsConfig, PartnerConfig
-from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient, Presence
-from supervisor.queue.sqlite import SqliteQueue
 from supervisor.reconcile import Reconciler
 from supervisor.runs import RunWatch
-from supervisor.sandbox import SandboxConfig, run_sandbox
+from supervisor.sqlite.ledger import SqliteLedger
+from supervisor.sqlite.queue import SqliteQueue
 from supervisor.states import OpState
 
 from .conftest import ambiguous_operation

@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from cleanup_sandbox import SandboxConfig, run_sandbox
 from supervisor import metrics
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config, LimitsConfig, PartnerConfig, QueueConfig
 from supervisor.consumer import ConsumerPool
 from supervisor.errors import StorageError
-from supervisor.ledger.database import Database
-from supervisor.ledger.sqlite import SqliteLedger
+from supervisor.model import Message, QueueStats
 from supervisor.partner import PartnerClient
-from supervisor.queue.base import Message, QueueStats
 from supervisor.queue.courier import Courier
-from supervisor.queue.sqlite import SqliteQueue
 from supervisor.redrive import Redriver
-from supervisor.sandbox import SandboxConfig, run_sandbox
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
+from supervisor.sqlite.queue import SqliteQueue
 from supervisor.states import OpState
 
 

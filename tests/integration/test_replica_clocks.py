@@ -34,11 +34,11 @@ FAST_REPLICA = """
 import asyncio, json, sys, time
 from supervisor.errors import OperationBusy
 from supervisor.ledger import pg_sql
-from supervisor.ledger.pgdb import PgDatabase
-from supervisor.ledger.postgres import PostgresLedger
+from supervisor.postgres.database import PgDatabase
+from supervisor.postgres.ledger import PostgresLedger
 from supervisor.ledger.settings import LedgerConfig
-from supervisor.queue.postgres import PostgresQueue
-from supervisor.replicas import AdvisoryRoles, Membership
+from supervisor.postgres.queue import PostgresQueue
+from supervisor.postgres.replicas import AdvisoryRoles, Membership
 
 async def main(dsn, schema, held_op):
     db = PgDatabase(dsn, schema, "fast")

@@ -9,9 +9,9 @@ from zoneinfo import ZoneInfo
 
 from supervisor import metrics
 from supervisor.config import Config, ScheduleConfig, SourceConfig
-from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.runs import RunOpener, Tick
 from supervisor.schedule import Scheduler, next_slot, previous_slot
+from supervisor.sqlite.ledger import SqliteLedger
 
 
 def _config(**schedule: object) -> Config:

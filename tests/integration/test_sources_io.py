@@ -11,9 +11,9 @@ import orjson
 import pytest
 from aiohttp import web
 
+from cleanup_sandbox import SandboxConfig, run_sandbox
 from supervisor.config import SourceConfig
 from supervisor.errors import SourceError
-from supervisor.sandbox import SandboxConfig, run_sandbox
 from supervisor.sources import CandidateSource, FileSource, HttpSource, Page
 
 

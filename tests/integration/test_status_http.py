@@ -18,7 +18,7 @@ import pytest
 
 from supervisor import config as config_module
 from supervisor.config import Config
-from supervisor.ledger.base import Settlement
+from supervisor.model import Settlement
 from supervisor.queue.courier import Courier
 from supervisor.states import OpState
 from supervisor.status import STATUS

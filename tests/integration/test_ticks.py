@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor import metrics
 from supervisor.config import InfraiConfig, Secret
-from supervisor.ledger.sqlite import SqliteLedger
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.runs import RunOpener
-from supervisor.sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.ticks import TickPuller, publish_tick, tick_from
 
 from .http_app import load_config

@@ -22,8 +22,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from supervisor.sandbox.infrai import CONTROL_HEADER, Emulator, EmulatorConfig, start_emulator
-from supervisor.sandbox.infrai.__main__ import build_parser
+from cleanup_sandbox.infrai import CONTROL_HEADER, Emulator, EmulatorConfig, start_emulator
+from cleanup_sandbox.infrai.__main__ import build_parser
 
 KEY = "ifr_pk_proj_test"
 CONTROL = "control-secret"

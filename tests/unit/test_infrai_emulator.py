@@ -23,9 +23,9 @@ import aiohttp
 import orjson
 import pytest
 
-from supervisor.sandbox.infrai import CONTROL_HEADER, Emulator, EmulatorConfig, start_emulator
-from supervisor.sandbox.infrai.__main__ import build_parser
-from supervisor.sandbox.infrai.__main__ import main as cli_main
+from cleanup_sandbox.infrai import CONTROL_HEADER, Emulator, EmulatorConfig, start_emulator
+from cleanup_sandbox.infrai.__main__ import build_parser
+from cleanup_sandbox.infrai.__main__ import main as cli_main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KEY = "ifr_pk_proj_test"
@@ -827,7 +827,7 @@ def test_config_validation() -> None:
 async def test_cli_prints_its_url_and_exits_zero_on_sigterm() -> None:
     env = {**os.environ, "EMU_KEY": "cli-key", "EMU_CONTROL": "cli-control"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "supervisor.sandbox.infrai", "--port", "0", "--key-env", "EMU_KEY",
+        sys.executable, "-m", "cleanup_sandbox.infrai", "--port", "0", "--key-env", "EMU_KEY",
         "--control-key-env", "EMU_CONTROL", "--nack-route", NACK, "--consume-shape", "bare",
         "--auto-create", "--retry-after", "2.5",
         cwd=REPO_ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

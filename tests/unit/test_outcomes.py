@@ -10,7 +10,7 @@ import pytest
 
 from supervisor.budget.base import Outcome
 from supervisor.config import PartnerConfig
-from supervisor.ledger.base import Disposition
+from supervisor.model import Disposition
 from supervisor.outcomes import backoff, decide, feedback
 from supervisor.partner import Answer, Verdict
 from supervisor.states import OpState

@@ -21,14 +21,9 @@ import aiohttp
 import orjson
 import pytest
 
-from supervisor.sandbox import (
-    RunningSandbox,
-    SandboxConfig,
-    SandboxState,
-    run_sandbox,
-)
-from supervisor.sandbox.__main__ import main as cli_main
-from supervisor.sandbox.limits import FixedWindow, TokenBucket
+from cleanup_sandbox import RunningSandbox, SandboxConfig, SandboxState, run_sandbox
+from cleanup_sandbox.__main__ import main as cli_main
+from cleanup_sandbox.limits import FixedWindow, TokenBucket
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VALID_ID = re.compile(r"r-\d{6}")
@@ -508,7 +503,7 @@ async def test_cli_prints_one_json_line_and_exits_zero_on_sigterm() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "supervisor.sandbox",
+        "cleanup_sandbox",
         "--port",
         "0",
         "--recipients",

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.sandbox import SandboxConfig, SandboxState
-from supervisor.sandbox.__main__ import build_parser, config_from_args
-from supervisor.sandbox.config import WINDOWS, parse_quota
-from supervisor.sandbox.headers import ratelimit_headers, retry_after
-from supervisor.sandbox.limits import (
+from cleanup_sandbox import SandboxConfig, SandboxState
+from cleanup_sandbox.__main__ import build_parser, config_from_args
+from cleanup_sandbox.config import WINDOWS, parse_quota
+from cleanup_sandbox.headers import ratelimit_headers, retry_after
+from cleanup_sandbox.limits import (
     CountingWindow,
     FixedWindow,
     Gcra,
@@ -23,8 +23,8 @@ from supervisor.sandbox.limits import (
     TokenBucket,
     make_limiter,
 )
-from supervisor.sandbox.quotas import Policy, QuotaSet, most_constraining, policy_names
-from supervisor.sandbox.state import AnnouncedWaits
+from cleanup_sandbox.quotas import Policy, QuotaSet, most_constraining, policy_names
+from cleanup_sandbox.state import AnnouncedWaits
 
 
 class FakeClock:

@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 import pytest
 
-from supervisor.sandbox import RunningSandbox, SandboxConfig, run_sandbox
+from cleanup_sandbox import RunningSandbox, SandboxConfig, run_sandbox
 
 
 class FakeClock:

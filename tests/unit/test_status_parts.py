@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from supervisor import metrics
-from supervisor.ledger.base import Run
+from supervisor.model import Run
 from supervisor.states import OpState, RunState
 from supervisor.status.auth import Sessions
 from supervisor.status.history import History, Reading, counter_total, metrics_reader

@@ -1,6 +1,6 @@
 """Faults through real processes with the queue in Infrai (issue 8, point 6), in both
 partner modes: the service's console script with ``queue.backend = "infrai"`` against the
-emulator process (``python -m supervisor.sandbox.infrai``) and the partner simulator.
+emulator process (``python -m cleanup_sandbox.infrai``) and the partner simulator.
 
 Infrai has no nack, no extend, no receive count and no transactional ack: the ledger
 commits an outcome and the ack follows as a second call, a retry is a new message

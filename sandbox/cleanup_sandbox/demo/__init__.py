@@ -1,0 +1,229 @@
+"""``cleanup-supervisor demo``: the real service against the partner simulator, end to end.
+
+The simulator runs in its own process on loopback; the service runs here on the default
+configuration, pointed at it. A run is opened over HTTP, progress is shown live, and the
+last line of the report is ``key=value`` figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from supervisor import config
+from supervisor.service import Service
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxProcess:
+    url: str
+    process: asyncio.subprocess.Process
+
+
+@contextlib.asynccontextmanager
+async def sandbox_process(args: Sequence[str], token: str) -> AsyncIterator[SandboxProcess]:
+    """Start ``python -m cleanup_sandbox`` on a free port; stop it with SIGTERM."""
+    env = {**os.environ, "SANDBOX_TOKEN": token}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "cleanup_sandbox", "--port", "0", "--token-env",
+        "SANDBOX_TOKEN", *args, stdout=asyncio.subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the partner simulator exited before it listened")
+        yield SandboxProcess(orjson.loads(line)["url"], proc)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def emulator_process(args: Sequence[str], key: str,
+                           control_key: str) -> AsyncIterator[SandboxProcess]:
+    """Start ``python -m cleanup_sandbox.infrai`` (the Infrai emulator) on a free port."""
+    env = {**os.environ, "EMULATOR_KEY": key, "EMULATOR_CONTROL_KEY": control_key}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "cleanup_sandbox.infrai", "--port", "0", "--key-env",
+        "EMULATOR_KEY", "--control-key-env", "EMULATOR_CONTROL_KEY", *args,
+        stdout=asyncio.subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the Infrai emulator exited before it listened")
+        yield SandboxProcess(orjson.loads(line)["url"], proc)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+
+def demo_environ(data_dir: str, partner_url: str, partner_token: str, trigger_token: str,
+                 more: dict[str, str]) -> dict[str, str]:
+    """The service's environment for a demo: the caller's, without any CLEANUP__
+    override of theirs, then the demo's own settings, then ``more`` (which wins: an
+    INFRAI_API_KEY of the caller's must never send a demo to a real account)."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CLEANUP__")},
+        "CUSTOMER_API_TOKEN": partner_token,
+        "CLEANUP_TRIGGER_TOKEN": trigger_token,
+        "CLEANUP__SERVICE__DATA_DIR": data_dir,
+        "CLEANUP__SOURCE__KIND": "http",
+        "CLEANUP__SOURCE__URL": f"{partner_url}/stale-recipients",
+        "CLEANUP__SOURCE__TOKEN_ENV": "CUSTOMER_API_TOKEN",
+        "CLEANUP__PARTNER__BASE_URL": partner_url,
+        **more,
+    }
+
+
+async def start_service(service: Service) -> asyncio.Task[int]:
+    """Run the service until it has started (or exited: the task is then done)."""
+    task = asyncio.create_task(service.run(), name="service")
+    started = asyncio.create_task(service.started.wait())
+    await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+    started.cancel()
+    return task
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    config_path: Path
+    recipients: int = 3000
+    partner_rate: float = 100.0
+    absent_share: float = 0.05
+    fault_5xx: float = 0.0
+    fault_timeout_after_act: float = 0.0
+    queue: str = "sqlite"
+
+
+async def run_demo(opts: DemoOptions) -> int:
+    partner_token = secrets.token_urlsafe(24)
+    trigger_token = secrets.token_urlsafe(24)
+    sandbox_args = ["--recipients", str(opts.recipients), "--rate", str(opts.partner_rate),
+                    "--absent-share", str(opts.absent_share), "--fault-5xx",
+                    str(opts.fault_5xx), "--fault-timeout-after-act",
+                    str(opts.fault_timeout_after_act), "--hang-seconds", "3"]
+    with tempfile.TemporaryDirectory(prefix="cleanup-demo-") as data_dir:
+        async with contextlib.AsyncExitStack() as stack:
+            sandbox = await stack.enter_async_context(
+                sandbox_process(sandbox_args, partner_token))
+            queue_env = {"CLEANUP__QUEUE__BACKEND": "sqlite"}
+            emulator: SandboxProcess | None = None
+            control_key = secrets.token_urlsafe(24)
+            if opts.queue == "infrai":
+                infrai_key = "ifr_" + secrets.token_urlsafe(24)
+                emulator = await stack.enter_async_context(
+                    emulator_process([], infrai_key, control_key))
+                queue_env = {"CLEANUP__QUEUE__BACKEND": "infrai",
+                             "CLEANUP__INFRAI__BASE_URL": emulator.url,
+                             "INFRAI_API_KEY": infrai_key}
+            environ = demo_environ(data_dir, sandbox.url, partner_token, trigger_token,
+                                   {"CLEANUP__SERVICE__LISTEN": "127.0.0.1:0",
+                                    "CLEANUP__PARTNER__REQUEST_TIMEOUT_SECONDS": "2",
+                                    **queue_env})
+            cfg = config.load(opts.config_path, environ)
+            service = Service(cfg)
+            task = await start_service(service)
+            if task.done():
+                return await task
+            assert service.url is not None
+            print(f"partner simulator {sandbox.url}: {opts.recipients} stale recipients, "
+                  f"limit {opts.partner_rate:g}/s; service {service.url}, "
+                  f"{cfg.limits.concurrency} workers; queue {cfg.queue.backend}"
+                  + (f" (Infrai emulator {emulator.url})" if emulator else ""), flush=True)
+            try:
+                report = await _drive(service.url, sandbox.url, trigger_token, partner_token)
+                if emulator is not None:
+                    report["infrai_calls"] = await _infrai_calls(emulator.url, control_key)
+            finally:
+                service.request_stop()
+                code = await task
+    ideal = opts.recipients / opts.partner_rate
+    report["ideal_seconds"] = round(ideal, 1)
+    counts = report
+    ok = (code == 0 and counts["duplicates"] == 0 and counts["failed"] == 0
+          and counts["unfinished"] == 0 and counts["discovered"] == opts.recipients)
+    print(f"\nrun {report.pop('run_id')}: ratio to ideal {report['seconds'] / ideal:.3f}, "
+          f"partner saw {report.pop('executions')} executed deletes")
+    keys: tuple[str, ...] = ("discovered", "deleted", "already_absent", "failed", "ambiguous",
+                             "duplicates", "rate_limited", "seconds", "ideal_seconds")
+    if "infrai_calls" in report:
+        calls = report["infrai_calls"]
+        keys += ("infrai_calls",)
+        report["infrai_calls_per_op"] = round(calls / max(1, report["discovered"]), 2)
+        keys += ("infrai_calls_per_op",)
+    print(" ".join(f"{k}={report[k]}" for k in keys), flush=True)
+    return 0 if ok else 1
+
+
+async def _infrai_calls(emulator_url: str, control_key: str) -> int:
+    """Every call the service made to Infrai (each one is billed), from the emulator."""
+    async with aiohttp.ClientSession() as session, session.get(
+            f"{emulator_url}/_emulator/stats",
+            headers={"X-Emulator-Control": control_key}) as resp:
+        stats = orjson.loads(await resp.read())
+    return int(sum(stats["calls"].values()))
+
+
+async def _drive(service_url: str, sandbox_url: str, trigger_token: str,
+                 partner_token: str) -> dict[str, Any]:
+    auth = {"Authorization": f"Bearer {trigger_token}"}
+    async with aiohttp.ClientSession() as session:
+        started = time.monotonic()
+        async with session.post(f"{service_url}/v1/runs", headers=auth,
+                                json={"schedule": "demo"}) as resp:
+            opened = orjson.loads(await resp.read())
+            if resp.status >= 300:
+                raise RuntimeError(f"trigger refused: {resp.status} {opened}")
+        run_id = opened["run"]["id"]
+        print(f"tick -> run {run_id} (created={opened['created']})", flush=True)
+        while True:
+            # The long-poll returns as soon as the run is done, else after a second:
+            # that second is the progress line's cadence.
+            async with session.get(f"{service_url}/v1/runs/{run_id}?wait=done&timeout=1",
+                                   headers=auth) as resp:
+                run = orjson.loads(await resp.read())
+            c = run["counts"]
+            print(f"  {time.monotonic() - started:6.1f}s {run['state']:9} "
+                  f"discovered={run['discovered']} deleted={c['deleted']} "
+                  f"already_absent={c['already_absent']} waiting={run['unfinished']} "
+                  f"failed={c['failed']} ambiguous={c['ambiguous']}", flush=True)
+            if run["state"] == "done":
+                break
+        elapsed = time.monotonic() - started
+        async with session.get(f"{sandbox_url}/_sandbox/stats",
+                               headers={"Authorization": f"Bearer {partner_token}"}) as resp:
+            stats = orjson.loads(await resp.read())
+    c = run["counts"]
+    return {"run_id": run_id, "discovered": run["discovered"], "deleted": c["deleted"],
+            "already_absent": c["already_absent"], "failed": c["failed"],
+            "ambiguous": c["ambiguous"], "unfinished": run["unfinished"],
+            "duplicates": stats["duplicates"], "rate_limited": stats["rate_limited"],
+            "executions": stats["executions"], "seconds": round(elapsed, 1)}
+
+
+async def run_shape(shape: str, opts: DemoOptions) -> int:
+    """The ``demo`` command: ``embedded`` (the default), ``managed`` or ``scale``."""
+    if shape == "managed":
+        from cleanup_sandbox.demo.managed import run_managed
+
+        return await run_managed(opts)
+    if shape == "scale":
+        from cleanup_sandbox.demo.scale import run_scale
+
+        return await run_scale(opts)
+    return await run_demo(opts)

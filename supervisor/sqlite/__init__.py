@@ -1,0 +1,1 @@
+"""SQLite: the embedded shape's ledger, its table queue and their one database file."""

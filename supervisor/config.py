@@ -31,7 +31,13 @@ from supervisor.authsettings import (
     service_problems,
     token_problems,
 )
-from supervisor.configtypes import Secret, _positive
+from supervisor.configtypes import (
+    MISSING_SECRET,
+    Secret,
+    _positive,
+    missing_secret,
+    read_secret,
+)
 from supervisor.errors import ConfigError
 from supervisor.events.settings import EventsConfig, resolve_sinks
 from supervisor.infrai.settings import InfraiConfig, resolve_push_secret
@@ -40,7 +46,11 @@ from supervisor.tickrules import SCHEDULE_RULE, check_schedule
 
 ENV_PREFIX = "CLEANUP__"
 
-__all__ = ["Config", "InfraiConfig", "Secret", "StatusConfig", "TriggerConfig", "load"]
+# Each settings type has one import path: where it is defined. A section that belongs to
+# a package lives in that package's settings module (infrai, events, ledger; the access
+# sections in authsettings, [api] in api_settings) and is imported from there, not from here.
+__all__ = ["Config", "LimitsConfig", "PartnerConfig", "QueueConfig", "QuotaConfig",
+           "ScheduleConfig", "ServiceConfig", "SourceConfig", "load"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,10 +358,6 @@ _SECTIONS: dict[str, type[Any]] = {f.name: f.type for f in dataclasses.fields(Co
 _SECRET_FIELDS = {"token", "tick_token", "metrics_token", "secret", "push_secret", "dsn"}
 
 
-# How every "this secret's variable is not set" problem reads (config, ledger, infrai,
-# events): the one kind of problem a command that serves nothing may overlook.
-_MISSING_SECRET = re.compile(r"\$\S+ \(or \$\S+_FILE\) is not set")
-
 
 def load(path: Path | None, environ: Mapping[str, str] | None = None,
          require_secrets: bool = True) -> Config:
@@ -399,7 +405,7 @@ def load(path: Path | None, environ: Mapping[str, str] | None = None,
     problems += _across(sections)
     sections["service"], sections["status"] = resolve_access(sections)
     if not require_secrets:
-        problems = [p for p in problems if not _MISSING_SECRET.search(p)]
+        problems = [p for p in problems if not MISSING_SECRET.search(p)]
     if problems:
         raise ConfigError(problems)
     return Config(**sections)
@@ -416,8 +422,7 @@ def _across(sections: Mapping[str, Any]) -> list[str]:
         var = sections["infrai"].token_env
         why = "queue.backend = 'infrai'" if sections["queue"].backend == "infrai" \
             else "infrai.tick_queue"
-        out.append(f"infrai.token_env: ${var} (or ${var}_FILE) is not set; "
-                   f"{why} needs the project key")
+        out.append(missing_secret("infrai.token_env", var, f"{why} needs the project key"))
     if sections["queue"].backend == "postgres" and sections["ledger"].backend != "postgres":
         out.append("queue.backend = 'postgres' needs ledger.backend = 'postgres' (the queue "
                    "is a table in the ledger's database: outcome and ack commit together)")
@@ -511,26 +516,12 @@ def _build(section: str, cls: type[Any], table: dict[str, Any],
             continue
         var = kwargs.get(f.name, f.default)
         if var:
-            secret, problem = _read_secret(f"{section}.{f.name}", str(var), env)
+            secret, problem = read_secret(f"{section}.{f.name}", str(var), env)
             if problem:
                 problems.append(problem)
                 bad_keys.add(f.name)
             kwargs[f.name[:-4]] = secret
     return cls(**kwargs), problems, bad_keys
-
-
-def _read_secret(key: str, var: str, env: Mapping[str, str]) -> tuple[Secret | None, str]:
-    if var in env:
-        value = env[var].strip()
-        return (Secret(value), "") if value else (None, f"{key}: ${var} is empty")
-    file_var = f"{var}_FILE"
-    if file_var in env:
-        try:
-            value = Path(env[file_var]).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            return None, f"{key}: ${file_var} cannot be read: {exc.strerror}"
-        return (Secret(value), "") if value else (None, f"{key}: ${file_var} is empty")
-    return None, ""
 
 
 def _convert_tables(key: str, cls: type[Any], value: Any) -> tuple[Any, str]:

@@ -27,8 +27,10 @@ import pytest
 from cleanup_sandbox import SandboxConfig, run_sandbox
 from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor.budget.local import LocalBudget
-from supervisor.config import Config, InfraiConfig, LimitsConfig, PartnerConfig, QueueConfig, Secret
+from supervisor.config import Config, LimitsConfig, PartnerConfig, QueueConfig
+from supervisor.configtypes import Secret
 from supervisor.consumer import ConsumerPool
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.partner import PartnerClient
 from supervisor.queue.courier import Courier
 from supervisor.queue.infrai import InfraiQueue

@@ -16,8 +16,10 @@ from cleanup_sandbox import SandboxConfig, run_sandbox
 from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor import metrics
 from supervisor.budget.local import LocalBudget
-from supervisor.config import Config, InfraiConfig, LimitsConfig, PartnerConfig, QueueConfig, Secret
+from supervisor.config import Config, LimitsConfig, PartnerConfig, QueueConfig
+from supervisor.configtypes import Secret
 from supervisor.consumer import ConsumerPool
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Disposition, Settlement
 from supervisor.partner import PartnerClient
 from supervisor.queue.courier import Courier

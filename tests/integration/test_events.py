@@ -26,16 +26,9 @@ from prometheus_client import REGISTRY
 from cleanup_sandbox import SandboxConfig, run_sandbox
 from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from cleanup_sandbox.state import recipient_ids
-from supervisor.config import (
-    Config,
-    InfraiConfig,
-    LimitsConfig,
-    PartnerConfig,
-    QueueConfig,
-    Secret,
-    ServiceConfig,
-    TriggerConfig,
-)
+from supervisor.authsettings import TriggerConfig
+from supervisor.config import Config, LimitsConfig, PartnerConfig, QueueConfig, ServiceConfig
+from supervisor.configtypes import Secret
 from supervisor.errors import IllegalTransition
 from supervisor.events.relay import EventRelay, SinkWorker
 from supervisor.events.settings import EventsConfig, SinkConfig
@@ -48,6 +41,7 @@ from supervisor.events.sinks import (
     idempotency_key,
     signature,
 )
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Event, Run, Settlement
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.service import Service

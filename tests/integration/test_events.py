@@ -27,7 +27,8 @@ from cleanup_sandbox import SandboxConfig, run_sandbox
 from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from cleanup_sandbox.state import recipient_ids
 from supervisor.authsettings import TriggerConfig
-from supervisor.config import Config, LimitsConfig, PartnerConfig, QueueConfig, ServiceConfig
+from supervisor.budget.settings import LimitsConfig
+from supervisor.config import Config, PartnerConfig, ServiceConfig
 from supervisor.configtypes import Secret
 from supervisor.errors import IllegalTransition
 from supervisor.events.relay import EventRelay, SinkWorker
@@ -44,6 +45,7 @@ from supervisor.events.sinks import (
 from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Event, Run, Settlement
 from supervisor.queue.infrai import InfraiQueue
+from supervisor.queue.settings import QueueConfig
 from supervisor.service import Service
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger

@@ -101,3 +101,30 @@ def test_the_demo_file_is_not_called_the_reference() -> None:
     for path in (ROOT / "README.md", DOC, ROOT / "config" / "default.toml"):
         text = path.read_text(encoding="utf-8")
         assert not re.search(r"default\.toml`? (is|as) the (commented )?reference", text), path
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings."""
+    out = set()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
+
+
+def test_every_link_between_the_pages_lands() -> None:
+    # The README and docs/ link to each other's sections: a moved heading must not strand one.
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert broken == []

@@ -23,8 +23,8 @@ import aiohttp
 import orjson
 
 from supervisor import metrics
-from supervisor.config import InfraiConfig
 from supervisor.errors import QueueBlocked, QueueError, QueueRefused
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.logtext import outside
 from supervisor.partner import parse_retry_after
 

@@ -22,9 +22,9 @@ from urllib.parse import quote
 import orjson
 
 from supervisor import metrics
-from supervisor.config import InfraiConfig
 from supervisor.errors import MessageTooLarge, PartialPublish, QueueError
 from supervisor.infrai.client import InfraiClient, InfraiError
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Delivery, Message, QueueStats
 from supervisor.queue.base import MAX_DELAY_S, MAX_PAYLOAD_BYTES, Capabilities, Unsupported
 

@@ -22,7 +22,7 @@ from multidict import MultiDictProxy
 
 from supervisor import budget_api
 from supervisor.apiauth import GUARD, Refused, Role
-from supervisor.config import StatusConfig
+from supervisor.authsettings import StatusConfig
 from supervisor.errors import IllegalTransition, StorageError
 from supervisor.openapi import PRINTABLE
 from supervisor.reconcile import RESOLUTIONS

@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 from cleanup_sandbox.infrai import EmulatorConfig, start_emulator
-from supervisor.config import InfraiConfig, Secret
+from supervisor.configtypes import Secret
 from supervisor.errors import QueueError
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Message
 from supervisor.postgres import sql as pg_sql
 from supervisor.postgres.database import PgDatabase

@@ -27,11 +27,15 @@ import pytest
 from cleanup_sandbox import SandboxConfig, run_sandbox
 from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor.budget.local import LocalBudget
-from supervisor.config import Config, InfraiConfig, LimitsConfig, PartnerConfig, QueueConfig, Secret
+from supervisor.budget.settings import LimitsConfig
+from supervisor.config import Config, PartnerConfig
+from supervisor.configtypes import Secret
 from supervisor.consumer import ConsumerPool
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.partner import PartnerClient
 from supervisor.queue.courier import Courier
 from supervisor.queue.infrai import InfraiQueue
+from supervisor.queue.settings import QueueConfig
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.states import TERMINAL, OpState

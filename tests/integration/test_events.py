@@ -26,16 +26,10 @@ from prometheus_client import REGISTRY
 from cleanup_sandbox import SandboxConfig, run_sandbox
 from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from cleanup_sandbox.state import recipient_ids
-from supervisor.config import (
-    Config,
-    InfraiConfig,
-    LimitsConfig,
-    PartnerConfig,
-    QueueConfig,
-    Secret,
-    ServiceConfig,
-    TriggerConfig,
-)
+from supervisor.authsettings import TriggerConfig
+from supervisor.budget.settings import LimitsConfig
+from supervisor.config import Config, PartnerConfig, ServiceConfig
+from supervisor.configtypes import Secret
 from supervisor.errors import IllegalTransition
 from supervisor.events.relay import EventRelay, SinkWorker
 from supervisor.events.settings import EventsConfig, SinkConfig
@@ -48,8 +42,10 @@ from supervisor.events.sinks import (
     idempotency_key,
     signature,
 )
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Event, Run, Settlement
 from supervisor.queue.infrai import InfraiQueue
+from supervisor.queue.settings import QueueConfig
 from supervisor.service import Service
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger

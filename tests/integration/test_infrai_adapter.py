@@ -11,8 +11,9 @@ import pytest
 
 from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor import metrics
-from supervisor.config import InfraiConfig, Secret
+from supervisor.configtypes import Secret
 from supervisor.errors import MessageTooLarge, QueueBlocked, QueueError
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Message
 from supervisor.queue.infrai import InfraiQueue
 

@@ -8,9 +8,11 @@ import asyncio
 from cleanup_sandbox import SandboxConfig, run_sandbox
 from supervisor import metrics
 from supervisor.budget.local import LocalBudget
-from supervisor.config import Config, LimitsConfig, PartnerConfig, QueueConfig
+from supervisor.budget.settings import LimitsConfig
+from supervisor.config import Config, PartnerConfig
 from supervisor.consumer import ConsumerPool
 from supervisor.partner import PartnerClient
+from supervisor.queue.settings import QueueConfig
 from supervisor.reconcile import Reconciler
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.sqlite.queue import SqliteQueue

@@ -12,7 +12,8 @@ import pytest
 
 from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor import metrics
-from supervisor.config import InfraiConfig, Secret
+from supervisor.configtypes import Secret
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.runs import RunOpener
 from supervisor.sqlite.ledger import SqliteLedger

@@ -18,7 +18,7 @@ from supervisor.budget.announced import MAX_ANNOUNCED
 from supervisor.budget.base import Feedback, Outcome, Policy
 from supervisor.budget.concurrency import GradientLimit
 from supervisor.budget.local import LocalBudget, tune_bucket
-from supervisor.config import LimitsConfig, QuotaConfig
+from supervisor.budget.settings import LimitsConfig, QuotaConfig
 
 
 def budget(**overrides: Any) -> LocalBudget:

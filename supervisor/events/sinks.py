@@ -32,10 +32,10 @@ import orjson
 
 from supervisor.errors import QueueError
 from supervisor.events.settings import SinkConfig
+from supervisor.httputil import parse_retry_after
 from supervisor.infrai.settings import InfraiConfig
 from supervisor.logtext import LIMIT, outside
 from supervisor.model import Event
-from supervisor.partner import parse_retry_after
 from supervisor.queue.base import MAX_PAYLOAD_BYTES
 from supervisor.queue.infrai import InfraiQueue
 

@@ -25,8 +25,8 @@ import orjson
 from supervisor import metrics
 from supervisor.config import InfraiConfig
 from supervisor.errors import QueueBlocked, QueueError, QueueRefused
+from supervisor.httputil import parse_retry_after
 from supervisor.logtext import outside
-from supervisor.partner import parse_retry_after
 
 log = logging.getLogger(__name__)
 

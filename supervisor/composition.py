@@ -315,7 +315,6 @@ def _application(c: Config, storage: Storage, partner: PartnerClient,
                  relay: EventRelay) -> Assembly:
     ledger, queue, budget, roles = storage.ledger, storage.queue, storage.budget, storage.roles
     runs_changed = RunWatch()
-    scan_wakeup, publish_wakeup = storage.wakeups["runs"], storage.wakeups["outbox"]
     monitor = Monitor(ledger, queue, budget, runs_changed, c.schedule.digest_cutoff_seconds,
                       finishes=lambda: roles.holds("monitor"),
                       settled=storage.wakeups["finished"],
@@ -329,7 +328,7 @@ def _application(c: Config, storage: Storage, partner: PartnerClient,
     pool_queue, pushed = _pool_queue(c, queue)
     pool = ConsumerPool(c, ledger, pool_queue, budget, partner, on_settled=settled)
     push = None if pushed is None else PushReceiver(pushed, {c.infrai.queue: pool})
-    opener = RunOpener(c, ledger, scan_wakeup)
+    opener = RunOpener(c, ledger, storage.wakeups["runs"])
     reconciler = Reconciler(c.partner, ledger, queue, budget, partner)
 
     def ready() -> tuple[bool, dict[str, bool]]:
@@ -354,26 +353,34 @@ def _application(c: Config, storage: Storage, partner: PartnerClient,
 
     a.components = [
         Component("api", None, Drain.INTAKE, stop=refuse),
-        Component("publisher", Publisher(ledger, queue, publish_wakeup).run, Drain.INTAKE,
-                  role="publisher"),
-        Component("scan", Scanner(c, ledger, scan_wakeup, publish_wakeup).run, Drain.INTAKE,
-                  role="scan"),
-        Component("redrive", Redriver(c.queue, ledger, queue,
-                                      horizon=pool.redrive_horizon).run, Drain.INTAKE,
-                  role="redrive"),
+        *_intake(c, storage, pool, opener, reconciler),
         Component("consumers", pool.run, Drain.WORK, stop=drain_pool),
         # The monitor last, after a final pass so closed runs are recorded.
         Component("monitor", monitor.run, Drain.LAST),
         # Holds the monitor's role for its own sake (finishing runs asks who holds it).
         Component("finisher", _forever, Drain.LAST, role="monitor"),
         *storage.components, *relay.components()]
-    if c.partner.probe_path:
-        a.components.append(Component("reconcile", reconciler.run, Drain.INTAKE,
-                                      role="reconcile"))
-    if c.schedule.cron is not None and c.schedule.clock == "embedded":
-        a.components.append(Component("schedule", Scheduler(c.schedule, opener).run,
-                                      Drain.INTAKE))
     return a
+
+
+def _intake(c: Config, storage: Storage, pool: ConsumerPool, opener: RunOpener,
+            reconciler: Reconciler) -> list[Component]:
+    """What brings work in: stopped first in the drain."""
+    ledger, queue = storage.ledger, storage.queue
+    scan_wakeup, publish_wakeup = storage.wakeups["runs"], storage.wakeups["outbox"]
+    out = [
+        Component("publisher", Publisher(ledger, queue, publish_wakeup).run, Drain.INTAKE,
+                  role="publisher"),
+        Component("scan", Scanner(c, ledger, scan_wakeup, publish_wakeup).run, Drain.INTAKE,
+                  role="scan"),
+        Component("redrive", Redriver(c.queue, ledger, queue,
+                                      horizon=pool.redrive_horizon).run, Drain.INTAKE,
+                  role="redrive")]
+    if c.partner.probe_path:
+        out.append(Component("reconcile", reconciler.run, Drain.INTAKE, role="reconcile"))
+    if c.schedule.cron is not None and c.schedule.clock == "embedded":
+        out.append(Component("schedule", Scheduler(c.schedule, opener).run, Drain.INTAKE))
+    return out
 
 
 def _placed(roles: Roles, x: Component) -> Component:

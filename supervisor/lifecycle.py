@@ -91,10 +91,16 @@ class Resources:
         try:
             async with asyncio.timeout(bound):
                 await closer()
+        except TimeoutError:
+            log.warning("closing %s took over %.1fs; left to the process's exit", name, bound,
+                        extra={"action": "close_timeout"})
         except Exception as exc:  # the rest must still close; the next life copes
             log.warning("closing %s failed: %r", name, exc, extra={"action": "close_failed"})
 
     async def aclose(self, within: float) -> None:
         """Close everything, in reverse, within ``within`` seconds all told."""
         self._deadline = asyncio.get_running_loop().time() + within
-        await self._stack.aclose()
+        try:
+            await self._stack.aclose()
+        finally:
+            self._deadline = None

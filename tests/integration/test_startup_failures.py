@@ -137,19 +137,26 @@ async def fail_at(service: Service) -> BaseException:
     return caught.value
 
 
-def test_the_steps_are_the_ones_this_test_fails(tmp_path: Path) -> None:
-    """A step added to start-up must be added here, so it is failed too."""
+async def steps_of_a_full_start(cfg: Config) -> list[str]:
     resources = FailingAt(None)
-    service = Service(configure(tmp_path, free_port()), resources)
+    service = Service(cfg, resources)
+    task = asyncio.create_task(service.run())
+    await service.started.wait()
+    service.request_stop()
+    assert await task == 0
+    return resources.steps
 
-    async def start_and_stop() -> None:
-        task = asyncio.create_task(service.run())
-        await service.started.wait()
-        service.request_stop()
-        assert await task == 0
 
-    asyncio.run(start_and_stop())
-    assert resources.steps == SQLITE_STEPS
+async def test_the_steps_are_the_ones_this_test_fails(tmp_path: Path) -> None:
+    """A step added to start-up must be added here, so it is failed too."""
+    assert await steps_of_a_full_start(configure(tmp_path, free_port())) == SQLITE_STEPS
+
+
+async def test_on_postgresql_the_steps_are_the_ones_this_test_fails(
+        tmp_path: Path, pg: Any) -> None:
+    cfg = configure(tmp_path, free_port(), CLEANUP__LEDGER__BACKEND="postgres",
+                    CLEANUP_DATABASE_URL=pg.dsn, CLEANUP__LEDGER__SCHEMA=pg.schema)
+    assert await steps_of_a_full_start(cfg) == PG_STEPS
 
 
 # The steps broken for real; the others fail through the seam.

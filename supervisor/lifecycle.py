@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -47,6 +47,18 @@ class Component:
     # With replicas, one of them at a time runs it, holding this role; None: every
     # replica runs it.
     role: str | None = None
+
+
+async def drain(components: Sequence[Component],
+                tasks: Mapping[str, asyncio.Task[None]]) -> None:
+    """Stop the components group by group, in :class:`Drain` order: each group's stop
+    hooks are awaited together, then its tasks are cancelled, before the next group."""
+    for group in Drain:
+        members = [x for x in components if x.drain is group]
+        await asyncio.gather(*(x.stop() for x in members if x.stop is not None))
+        for x in members:
+            if x.name in tasks:
+                tasks[x.name].cancel()
 
 
 class Resources:

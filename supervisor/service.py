@@ -27,7 +27,7 @@ from supervisor.errors import (
     TooManyCrashes,
 )
 from supervisor.http import create_app
-from supervisor.lifecycle import Drain, Factory, Resources
+from supervisor.lifecycle import Factory, Resources, drain
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +130,7 @@ class Service:
             log.info("stopping: triggers refused, intake stopped, draining %d workers "
                      "(grace %gs)", c.limits.concurrency, c.service.shutdown_grace_seconds,
                      extra={"action": "stopping"})
-            for group in Drain:
-                members = [x for x in a.components if x.drain is group]
-                await asyncio.gather(*(x.stop() for x in members if x.stop is not None))
-                for x in members:
-                    if x.name in tasks:
-                        tasks[x.name].cancel()
+            await drain(a.components, tasks)
 
     async def _final_writes(self, a: Assembly) -> None:
         # Bounded: a database that does not answer must not hold the process past the

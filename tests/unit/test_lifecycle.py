@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from supervisor.lifecycle import Closer, Resources
+from supervisor.lifecycle import Closer, Component, Drain, Factory, Resources, drain
 
 
 class Opened:
@@ -77,3 +77,45 @@ async def test_past_the_bound_a_hanging_closer_is_cut_and_the_rest_left_to_the_e
     await r.aclose(within=0.05)
     assert hung.is_set()
     assert closed == []  # the bound was spent on the hanging one: the exit closes the rest
+
+
+async def test_the_drain_stops_each_group_in_its_declared_order() -> None:
+    """Intake first, then the work in hand (its stop hook awaited before its cancel), then
+    what must outlive both, whatever order the components were listed in."""
+    seen: list[str] = []
+    running: dict[str, asyncio.Event] = {}
+
+    def forever(name: str) -> Factory:
+        running[name] = asyncio.Event()
+
+        async def run() -> None:
+            running[name].set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                seen.append(f"cancel {name}")
+                raise
+        return run
+
+    async def finish_work() -> None:
+        seen.append("stop consumers")
+        await asyncio.sleep(0)  # the stop hook yields: nothing after it may start yet
+        seen.append("consumers stopped")
+
+    async def refuse() -> None:
+        seen.append("refuse triggers")
+
+    components = [
+        Component("monitor", forever("monitor"), Drain.LAST),
+        Component("consumers", forever("consumers"), Drain.WORK, stop=finish_work),
+        Component("api", None, Drain.INTAKE, stop=refuse),
+        Component("scan", forever("scan"), Drain.INTAKE),
+    ]
+    tasks = {x.name: asyncio.create_task(x.run(), name=x.name)
+             for x in components if x.run is not None}
+    for started in running.values():
+        await started.wait()  # a task cancelled before it starts would record nothing
+    await drain(components, tasks)
+    await asyncio.gather(*tasks.values(), return_exceptions=True)
+    assert seen == ["refuse triggers", "cancel scan", "stop consumers", "consumers stopped",
+                    "cancel consumers", "cancel monitor"]

@@ -18,18 +18,16 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from supervisor.apiauth import Scope, authorize
+from supervisor.apistate import ApiState
 from supervisor.budget.base import Snapshot
 from supervisor.errors import StorageError
 from supervisor.model import OperatorAction
 from supervisor.openapi import PRINTABLE
-
-if TYPE_CHECKING:
-    from supervisor.http import ApiState
 
 log = logging.getLogger(__name__)
 

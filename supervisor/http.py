@@ -8,7 +8,6 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -23,17 +22,15 @@ from supervisor.apiauth import Refused, Role, host_middleware, install
 from supervisor.apiauth import Scope as Scope
 from supervisor.apiauth import authorize as authorize
 from supervisor.apiauth import requires as requires
-from supervisor.budget.base import RateBudget
+from supervisor.apistate import ApiState as ApiState
 from supervisor.budget_api import add_budget_routes
-from supervisor.config import Config
 from supervisor.errors import IllegalTransition, StorageError
-from supervisor.ledger.base import Ledger
-from supervisor.model import LedgerStats, Operation, Run
+from supervisor.model import Operation, Run
 from supervisor.openapi import PRINTABLE, TICK_KEY, document_for
-from supervisor.push import PushReceiver, PushRejected, answer_body, parse_delivery, verify
-from supervisor.readcaps import RETRY_AFTER_S, CapReached, ReadCap, holder_of
-from supervisor.reconcile import RESOLUTIONS, Reconciler
-from supervisor.runs import RunOpener, RunWatch, Tick
+from supervisor.push import PushRejected, answer_body, parse_delivery, verify
+from supervisor.readcaps import RETRY_AFTER_S, CapReached, holder_of
+from supervisor.reconcile import RESOLUTIONS
+from supervisor.runs import Tick
 from supervisor.sources import check_recipient_id
 from supervisor.states import SETTLED, OpState, RunState
 from supervisor.status import add_status_routes
@@ -46,40 +43,6 @@ MAX_PAGE = 1000
 CURSOR = re.compile(r"[A-Za-z0-9_-]{0,200}")
 MAX_WAIT_S = 60.0
 MAX_INLINE_IDS = 10_000
-
-
-@dataclass
-class ApiState:
-    """What the handlers need from the service. ``accepting`` turns False at shutdown."""
-
-    config: Config
-    ledger: Ledger
-    opener: RunOpener
-    reconciler: Reconciler
-    ready: Callable[[], tuple[bool, dict[str, bool]]]
-    runs_changed: RunWatch
-    current_rate: Callable[[], float]
-    # When n more requests will have been sent (the budget's view: rate, a pause in force,
-    # quotas); None: n / current_rate.
-    projected_finish: Callable[[int, float], float] | None = None
-    # The monitor's last count of the ledger (None before its first): what the status
-    # page shows, rather than a second count of the same rows every second.
-    ledger_stats: Callable[[], LedgerStats | None] = lambda: None
-    accepting: bool = True
-    # Push delivery (POST /v1/push/{queue}); None: not configured, the route answers 404.
-    push: PushReceiver | None = None
-    # The rate budget, for GET /v1/budget and its resume (supervisor/budget_api.py).
-    budget: RateBudget | None = None
-    long_polls: ReadCap = field(init=False)
-    exclusion_reads: ReadCap = field(init=False)
-    # One exclusions page read at a time (supervisor/exclusions.py batches).
-    exclusion_pages: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def __post_init__(self) -> None:
-        s = self.config.api
-        self.long_polls = ReadCap("long_poll", s.max_long_polls, s.max_long_polls_per_token)
-        self.exclusion_reads = ReadCap("exclusions", s.max_exclusion_reads,
-                                       s.max_exclusion_reads_per_token)
 
 
 API = web.AppKey("api", ApiState)

@@ -24,9 +24,9 @@ import orjson
 
 from supervisor import metrics
 from supervisor.errors import QueueBlocked, QueueError, QueueRefused
+from supervisor.httputil import parse_retry_after
 from supervisor.infrai.settings import InfraiConfig
 from supervisor.logtext import outside
-from supervisor.partner import parse_retry_after
 
 log = logging.getLogger(__name__)
 

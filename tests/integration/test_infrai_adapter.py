@@ -184,7 +184,7 @@ async def test_dead_letters_are_redriven(emulator: Emulator) -> None:
             nacks += 1
             assert nacks <= 2
         assert nacks >= 1
-        result = await q.redrive_dead_letters()
+        result = await q.channel.redrive_dead_letters()
         assert result["moved"] == 1
         [d] = await q.receive(1, 30)
         assert d.message == msg(1)

@@ -32,7 +32,7 @@ from supervisor.http import ApiState, create_app
 from supervisor.infrai.push import push_settings
 from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient
-from supervisor.push import PushedQueue, PushReceiver
+from supervisor.push import PushedQueue, PushEntry, PushReceiver
 from supervisor.queue.base import Queue
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.reconcile import Reconciler
@@ -112,11 +112,13 @@ class Service:
         # Pushed: the pool works what Infrai POSTs to /v1/push/{queue}, answering instead
         # of acking; its fetcher finds nothing to pull. Everything else publishes to Infrai.
         pushed = push_settings(c.infrai) if c.infrai.delivery == "push" else None
-        pool_queue: Queue = (queue if pushed is None else
-                             PushedQueue(pushed.visibility_timeout_s, pushed.max_wait_s))
+        pushed_queue = (None if pushed is None else
+                        PushedQueue(pushed.visibility_timeout_s, pushed.max_wait_s))
+        pool_queue: Queue = queue if pushed_queue is None else pushed_queue
         pool = self.pool = ConsumerPool(c, ledger, pool_queue, budget, partner,
                                         on_settled=settled)
-        push = None if pushed is None else PushReceiver(pushed, {c.infrai.queue: pool})
+        push = None if pushed is None or pushed_queue is None else \
+            PushReceiver(pushed, {c.infrai.queue: PushEntry(pool, pushed_queue)})
         redriver = Redriver(c.queue, ledger, queue, horizon=pool.redrive_horizon)
 
         def ready() -> tuple[bool, dict[str, bool]]:

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 # settled operation is acked again on sight.
 _ACK_GONE = {"MESSAGE_NOT_FOUND", "LEASE_EXPIRED", "NOT_FOUND"}
 MAX_TRACKED_DUE = 100_000
+# Each consume is a round trip to a managed service: a few messages kept in hand beyond
+# the idle workers so that no worker waits on it.
+PREFETCH = 10
 
 
 class InfraiQueue:
@@ -42,7 +45,8 @@ class InfraiQueue:
         self.client = client or InfraiClient(config)
         self._capabilities = Capabilities(
             transactional_ack=False, extend=bool(config.extend_path),
-            nack=bool(config.nack_path), stats=False, max_delay_s=MAX_DELAY_S)
+            nack=bool(config.nack_path), stats=False, max_delay_s=MAX_DELAY_S,
+            billed=True, default_prefetch=PREFETCH)
         self._created = False
         self._publishes = asyncio.Semaphore(config.publish_concurrency)
         self._wakeup = asyncio.Event()

@@ -41,7 +41,7 @@ from supervisor.infrai.client import InfraiClient, InfraiError
 from supervisor.infrai.push import SubscribeRefused, Subscription, check_url, subscribe
 from supervisor.model import Delivery, Message, Published
 from supervisor.partner import PartnerClient
-from supervisor.push import PushedQueue, PushReceiver, PushSettings
+from supervisor.push import PushedQueue, PushEntry, PushReceiver, PushSettings
 from supervisor.reconcile import Reconciler
 from supervisor.runs import RunOpener, RunWatch
 from supervisor.sqlite.database import Database
@@ -148,7 +148,7 @@ async def push_rig(tmp_path: Path, limits: LimitsConfig | None = None,
                          reconciler=Reconciler(cfg.partner, ledger, queue, budget, partner),
                          ready=lambda: (True, {}), runs_changed=RunWatch(),
                          current_rate=lambda: budget.snapshot().rate,
-                         push=PushReceiver(settings, {"ops": pool}))
+                         push=PushReceiver(settings, {"ops": PushEntry(pool, queue)}))
         client: TestClient[web.Request, web.Application] = TestClient(
             TestServer(create_app(state), host="127.0.0.1", port=0))
         await client.start_server()

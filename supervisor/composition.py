@@ -52,7 +52,7 @@ from supervisor.postgres.database import PgDatabase
 from supervisor.postgres.ledger import PostgresLedger
 from supervisor.postgres.queue import PostgresQueue
 from supervisor.postgres.replicas import AdvisoryRoles, Membership, new_replica_id
-from supervisor.push import PushedQueue, PushReceiver, PushSettings
+from supervisor.push import PushedQueue, PushEntry, PushReceiver, PushSettings
 from supervisor.queue.base import Queue
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.reconcile import Reconciler
@@ -303,13 +303,13 @@ async def assemble(c: Config, r: Resources) -> Assembly:
     return a
 
 
-def _pool_queue(c: Config, queue: Queue) -> tuple[Queue, PushSettings | None]:
+def _pushed(c: Config) -> tuple[PushedQueue, PushSettings] | None:
     """Pushed: the pool works what Infrai POSTs to /v1/push/{queue}, answering instead of
     acking; its fetcher finds nothing to pull. Everything else publishes to Infrai."""
     if c.infrai.delivery != "push":
-        return queue, None
-    pushed = push_settings(c.infrai)
-    return PushedQueue(pushed.visibility_timeout_s, pushed.max_wait_s), pushed
+        return None
+    settings = push_settings(c.infrai)
+    return PushedQueue(settings.visibility_timeout_s, settings.max_wait_s), settings
 
 
 def _application(c: Config, storage: Storage, partner: PartnerClient,
@@ -326,9 +326,11 @@ def _application(c: Config, storage: Storage, partner: PartnerClient,
         monitor.settled.set()
         relay.notify()  # the events just written go out now, not at the next poll
 
-    pool_queue, pushed = _pool_queue(c, queue)
-    pool = ConsumerPool(c, ledger, pool_queue, budget, partner, on_settled=settled)
-    push = None if pushed is None else PushReceiver(pushed, {c.infrai.queue: pool})
+    pushed = _pushed(c)
+    pool = ConsumerPool(c, ledger, queue if pushed is None else pushed[0], budget, partner,
+                        on_settled=settled)
+    push = None if pushed is None else \
+        PushReceiver(pushed[1], {c.infrai.queue: PushEntry(pool, pushed[0])})
     opener = RunOpener(c, ledger, storage.wakeups["runs"])
     reconciler = Reconciler(c.partner, ledger, queue, budget, partner)
 

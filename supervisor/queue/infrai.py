@@ -32,6 +32,9 @@ from supervisor.queue.base import MAX_DELAY_S, MAX_PAYLOAD_BYTES, Capabilities, 
 log = logging.getLogger(__name__)
 
 MAX_TRACKED_DUE = 100_000
+# Each consume is a round trip to a managed service: a few messages kept in hand beyond
+# the idle workers so that no worker waits on it.
+PREFETCH = 10
 
 
 class InfraiQueue:
@@ -43,7 +46,8 @@ class InfraiQueue:
         self.config = config
         self._capabilities = Capabilities(
             transactional_ack=False, extend=bool(config.extend_path),
-            nack=bool(config.nack_path), stats=False, max_delay_s=MAX_DELAY_S)
+            nack=bool(config.nack_path), stats=False, max_delay_s=MAX_DELAY_S,
+            billed=True, default_prefetch=PREFETCH)
         self._wakeup = asyncio.Event()
         # Publishes of ours, and how many the last receive had seen: one that lands while
         # a receive is in the air must still cut the next wait short.

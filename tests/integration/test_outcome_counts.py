@@ -59,10 +59,10 @@ async def test_a_restarted_pool_reports_only_its_live_workers(
                             partner, on_settled=lambda: None)
         try:
             for _ in range(2):  # a crash (the task cancelled), then the supervisor's restart
-                pool._wanted.clear()
+                pool.fetcher.wanted.clear()
                 task = asyncio.create_task(pool.run())
                 # A worker that starts waiting for a message says so: the pool is up.
-                await asyncio.wait_for(pool._wanted.wait(), 5)
+                await asyncio.wait_for(pool.fetcher.wanted.wait(), 5)
                 assert pool.running
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -36,7 +36,7 @@ from supervisor.infrai.push import SubscribeRefused, Subscription, check_url, su
 from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Delivery, Message, Published
 from supervisor.partner import PartnerClient
-from supervisor.push import PushedQueue, PushReceiver, PushSettings
+from supervisor.push import PushedQueue, PushEntry, PushReceiver, PushSettings
 from supervisor.queue.settings import QueueConfig
 from supervisor.reconcile import Reconciler
 from supervisor.runs import RunOpener, RunWatch
@@ -144,7 +144,7 @@ async def push_rig(tmp_path: Path, limits: LimitsConfig | None = None,
                          reconciler=Reconciler(cfg.partner, ledger, queue, budget, partner),
                          ready=lambda: (True, {}), runs_changed=RunWatch(),
                          current_rate=lambda: budget.snapshot().rate,
-                         push=PushReceiver(settings, {"ops": pool}))
+                         push=PushReceiver(settings, {"ops": PushEntry(pool, queue)}))
         client: TestClient[web.Request, web.Application] = TestClient(
             TestServer(create_app(state), host="127.0.0.1", port=0))
         await client.start_server()

@@ -40,6 +40,7 @@ from supervisor.events.sinks import InfraiSink, Sink, WebhookSink
 from supervisor.http import ApiState
 from supervisor.infrai.channel import InfraiChannel
 from supervisor.infrai.push import push_settings
+from supervisor.infrai.queue import InfraiQueue
 from supervisor.infrai.settings import InfraiConfig
 from supervisor.infrai.tick_source import InfraiTicks
 from supervisor.ledger.base import LedgerStore
@@ -54,7 +55,6 @@ from supervisor.postgres.queue import PostgresQueue
 from supervisor.postgres.replicas import AdvisoryRoles, Membership, new_replica_id
 from supervisor.push import PushedQueue, PushEntry, PushReceiver, PushSettings
 from supervisor.queue.base import Queue
-from supervisor.queue.infrai import InfraiQueue
 from supervisor.reconcile import Reconciler
 from supervisor.redrive import Redriver
 from supervisor.roles import LocalRoles, Roles

@@ -1,7 +1,7 @@
 """One Infrai queue as a raw channel: any small JSON payload in, raw items out, acked by
 message ID, and the queue's administration (creation, the dead-letter redrive).
 
-The work queue's :class:`~supervisor.queue.infrai.InfraiQueue` is a ``Queue`` over one of
+The work queue's :class:`~supervisor.infrai.queue.InfraiQueue` is a ``Queue`` over one of
 these; ticks (supervisor/infrai/tick_source.py), the events sink and the CLI use the
 channel itself.
 """

@@ -27,6 +27,7 @@ import pytest
 from cleanup_sandbox.infrai import EmulatorConfig, start_emulator
 from supervisor.configtypes import Secret
 from supervisor.errors import QueueError
+from supervisor.infrai.queue import InfraiQueue
 from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Delivery, Message
 from supervisor.postgres import sql as pg_sql
@@ -34,7 +35,6 @@ from supervisor.postgres.database import PgDatabase
 from supervisor.postgres.queue import PostgresQueue
 from supervisor.push import PushedQueue
 from supervisor.queue.base import Queue, Unsupported
-from supervisor.queue.infrai import InfraiQueue
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.queue import SqliteQueue
 

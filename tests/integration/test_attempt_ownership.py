@@ -31,10 +31,10 @@ from supervisor.budget.settings import LimitsConfig
 from supervisor.config import Config, PartnerConfig
 from supervisor.configtypes import Secret
 from supervisor.consumer import ConsumerPool
+from supervisor.infrai.queue import InfraiQueue
 from supervisor.infrai.settings import InfraiConfig
 from supervisor.partner import PartnerClient
 from supervisor.queue.courier import Courier
-from supervisor.queue.infrai import InfraiQueue
 from supervisor.queue.settings import QueueConfig
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger

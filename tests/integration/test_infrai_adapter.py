@@ -13,9 +13,9 @@ from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor import metrics
 from supervisor.configtypes import Secret
 from supervisor.errors import MessageTooLarge, QueueBlocked, QueueError
+from supervisor.infrai.queue import InfraiQueue
 from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Message
-from supervisor.queue.infrai import InfraiQueue
 
 KEY = "ifr_adapter_key"
 

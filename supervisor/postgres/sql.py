@@ -1,7 +1,8 @@
 """Every SQL statement of the PostgreSQL ledger, queue and replica registry, by name.
 
-The same state changes as supervisor/ledger/sql.py (the SQLite ledger), in PostgreSQL's
-dialect: ``$n`` parameters, GREATEST/LEAST, arrays instead of json_each, and what only
+The same state changes as supervisor/sqlite/sql.py, with the parameters numbered alike
+(the ledger's core passes the same arguments to both), in PostgreSQL's dialect: ``$n``
+parameters, GREATEST/LEAST, arrays instead of json_each, and what only
 several writers need: an owner (``holder``, a replica) on every lease and in-flight guard,
 claims with ``FOR UPDATE SKIP LOCKED``, NOTIFY on the writes other replicas wait for.
 Times are epoch seconds (double precision), as in the SQLite file. What replicas compare
@@ -13,9 +14,15 @@ lease a peer still holds nor pass a peer's guard.
 
 from __future__ import annotations
 
-import functools
-
-from supervisor import states
+from supervisor.ledger import shape
+from supervisor.ledger.shape import (
+    ATTEMPT_COLUMNS,
+    EVENT_COLUMNS,
+    OP_COLUMNS,
+    OPERATION_SETTLED,
+    RUN_COLUMNS,
+    RUN_FINISHED,
+)
 from supervisor.postgres.connect import Migration
 from supervisor.states import OpState
 
@@ -87,6 +94,8 @@ MIGRATIONS = (
             enqueued_at {_T} NOT NULL)""",
         "CREATE INDEX messages_available ON messages(available_at)",
         "CREATE INDEX messages_held ON messages(holder) WHERE holder IS NOT NULL",
+        # Unused since the shared budget keeps its state in rate_budget (postgres/budget.py);
+        # left in place, as a migration is never edited.
         f"""CREATE TABLE budget_memory (
             key TEXT PRIMARY KEY, state TEXT NOT NULL, updated_at {_T} NOT NULL)""",
         f"""CREATE TABLE events (
@@ -137,17 +146,10 @@ MIGRATIONS = (
 
 DB_NOW = "extract(epoch from clock_timestamp())::double precision"
 
-RUN_COLUMNS = (
-    "id, tick_key, schedule, scheduled_for, state, source, scan_cursor, scan_pages, "
-    "discovered, skipped_candidates, scan_failures, last_error, created_at, "
-    "scan_finished_at, finished_at"
-)
-# List reads: the source's kind, not its JSON (see supervisor/ledger/sql.py).
 # A run a replica of the previous release opened during a rolling upgrade has no
 # source_kind: its JSON still says.
-LIST_RUN_COLUMNS = RUN_COLUMNS.replace(
-    "state, source,", "state, COALESCE(source_kind, source::json->>'kind') AS source_kind,")
-OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at, due_at"
+LIST_RUN_COLUMNS = shape.list_run_columns(
+    "COALESCE(source_kind, source::json->>'kind') AS source_kind")
 
 # runs
 INSERT_RUN = (
@@ -298,22 +300,11 @@ SELECT_OVERDUE = (
 )
 
 
-@functools.cache
 def transition(target: OpState, guard_busy: bool) -> str:
-    """The guarded state change (see supervisor/ledger/sql.py): parameters are target,
-    reason, count, now, owner, busy_s (the hold, from the database's now; NULL for none),
-    id, holder; no row back means refused. The guard and the hold are on the database's
+    """The guarded state change (:func:`supervisor.ledger.shape.transition`), naming the
+    replica that holds the operation ($8). The guard and the hold are on the database's
     clock: every replica compares them with the same one."""
-    # No predecessor (nothing moves back to discovered): PostgreSQL has no ``IN ()``.
-    allowed = ", ".join(f"'{s.value}'" for s in sorted(states.predecessors(target))) or "NULL"
-    busy = (f" AND (state != 'in_flight' OR busy_until IS NULL OR busy_until <= {DB_NOW}"
-            " OR owner = $5)") if guard_busy else ""
-    return (
-        "UPDATE operations SET state = $1, reason = COALESCE($2, reason), "
-        "attempts = attempts + $3, updated_at = $4, owner = $5, "
-        f"busy_until = {DB_NOW} + $6::double precision, "
-        f"holder = $8 WHERE id = $7 AND state IN ({allowed}){busy} RETURNING attempts"
-    )
+    return shape.transition(target, guard_busy, "$", clock=DB_NOW, holder=True)
 
 
 # The attempt still holds its operation in flight: open, ``owner``'s on this replica
@@ -354,14 +345,6 @@ FINISH_ATTEMPT = (
     "UPDATE attempts SET finished_at = $1, status = $2, outcome = $3, detail = $4 "
     "WHERE id = $5 AND outcome IS NULL RETURNING id"
 )
-# The new attempt supersedes every open one (recorded as unknown), in one statement.
-SUPERSEDE_AND_INSERT_ATTEMPT = (
-    "WITH closed AS (UPDATE attempts SET finished_at = $4, outcome = 'unknown', "
-    "detail = 'no outcome recorded (process stopped or lease lost)' "
-    "WHERE operation_id = $1 AND outcome IS NULL) "
-    "INSERT INTO attempts (operation_id, n, kind, started_at) VALUES ($1, $2, $3, $4) "
-    "RETURNING id"
-)
 HAS_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE operation_id = $1 AND outcome IS NULL LIMIT 1"
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = $1, outcome = 'unknown', "
@@ -370,8 +353,8 @@ CLOSE_OPEN_ATTEMPTS = (
 )
 # Paged by position in the operation's log: LIMIT NULL is all.
 SELECT_ATTEMPTS = (
-    "SELECT id, operation_id, n, kind, started_at, finished_at, status, outcome, detail "
-    "FROM attempts WHERE operation_id = $1 ORDER BY id LIMIT $2 OFFSET $3"
+    f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE operation_id = $1 ORDER BY id "
+    "LIMIT $2 OFFSET $3"
 )
 
 # the queue table
@@ -453,24 +436,18 @@ SELECT_OPERATOR_ACTIONS = (
     "SELECT id, at, action, actor, reason, detail FROM operator_actions WHERE action = $1 "
     "ORDER BY id DESC LIMIT $2"
 )
-SELECT_BUDGET = "SELECT state FROM budget_memory WHERE key = $1"
-UPSERT_BUDGET = (
-    "INSERT INTO budget_memory (key, state, updated_at) VALUES ($1, $2, $3) "
-    "ON CONFLICT (key) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at"
-)
 
 # events outbox
 INSERT_OPERATION_EVENT = (
     "INSERT INTO events (id, kind, at, run_id, operation_id, recipient_id, outcome) "
-    "SELECT $1, 'operation.settled', $2, run_id, id, recipient_id, state "
+    f"SELECT $1, '{OPERATION_SETTLED}', $2, run_id, id, recipient_id, state "
     "FROM operations WHERE id = $3"
 )
 INSERT_RUN_EVENT = (
-    "INSERT INTO events (id, kind, at, run_id, counts) SELECT $1, 'run.finished', $2, $3, "
+    f"INSERT INTO events (id, kind, at, run_id, counts) SELECT $1, '{RUN_FINISHED}', $2, $3, "
     "COALESCE((SELECT json_object_agg(state, n)::text FROM (SELECT state, COUNT(*) AS n "
     "FROM operations WHERE run_id = $3 GROUP BY state) s), '{}')"
 )
-EVENT_COLUMNS = "seq, id, kind, at, run_id, operation_id, recipient_id, outcome, counts"
 SELECT_EVENTS_AFTER = (
     f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > $1 ORDER BY seq LIMIT $2"
 )

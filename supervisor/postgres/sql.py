@@ -15,14 +15,6 @@ lease a peer still holds nor pass a peer's guard.
 from __future__ import annotations
 
 from supervisor.ledger import shape
-from supervisor.ledger.shape import (
-    ATTEMPT_COLUMNS,
-    EVENT_COLUMNS,
-    OP_COLUMNS,
-    OPERATION_SETTLED,
-    RUN_COLUMNS,
-    RUN_FINISHED,
-)
 from supervisor.postgres.connect import Migration
 from supervisor.states import OpState
 
@@ -156,12 +148,12 @@ INSERT_RUN = (
     "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, source_kind, "
     "created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (tick_key) DO NOTHING"
 )
-SELECT_RUN_BY_TICK = f"SELECT {RUN_COLUMNS} FROM runs WHERE tick_key = $1"
+SELECT_RUN_BY_TICK = f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE tick_key = $1"
 SELECT_RECENT_RUN_OF_SCHEDULE = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE schedule = $1 AND created_at >= $2 "
+    f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE schedule = $1 AND created_at >= $2 "
     "ORDER BY created_at DESC LIMIT 1"
 )
-SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"
+SELECT_RUN = f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE id = $1"
 SELECT_UNFINISHED_RUN = (
     f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
 )
@@ -177,7 +169,7 @@ SELECT_SCHEDULE_RUNS = (
     "ORDER BY created_at DESC, id DESC LIMIT 1) newest ORDER BY created_at, id"
 )
 SELECT_RUNS_TO_SCAN = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
+    f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
 )
 SELECT_CURRENT_RUN = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
 # Only from the cursor the scan resumed from: a second scanner (a holder that lost its
@@ -220,21 +212,21 @@ INSERT_OPERATIONS = (
     "FROM unnest($1::text[], $2::text[]) AS u(id, rid) "
     "ON CONFLICT (run_id, recipient_id) DO NOTHING RETURNING 1) SELECT COUNT(*) FROM added"
 )
-SELECT_OPERATION = f"SELECT {OP_COLUMNS} FROM operations WHERE id = $1"
+SELECT_OPERATION = f"SELECT {shape.OP_COLUMNS} FROM operations WHERE id = $1"
 SELECT_OPERATIONS_WITH_OPEN_ATTEMPT = (
-    f"SELECT {OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
+    f"SELECT {shape.OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
     "operations.id ORDER BY a.id DESC LIMIT 1) FROM operations WHERE id = ANY($1::text[])"
 )
 # Paged by operation ID: time-ordered, unique, and no storage row ID in any cursor.
 SELECT_OPERATIONS = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = $1 AND id > $2 ORDER BY id LIMIT $3"
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE run_id = $1 AND id > $2 ORDER BY id LIMIT $3"
 )
 SELECT_OPERATIONS_IN_STATE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = $1 AND state = $2 AND id > $3 "
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE run_id = $1 AND state = $2 AND id > $3 "
     "ORDER BY id LIMIT $4"
 )
 SELECT_OPERATIONS_BY_STATE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE state = $1 AND id > $2 ORDER BY id LIMIT $3"
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE state = $1 AND id > $2 ORDER BY id LIMIT $3"
 )
 SELECT_UNPUBLISHED = (
     "SELECT run_id, id, recipient_id FROM operations WHERE state = 'discovered' "
@@ -326,7 +318,7 @@ KEEP_ATTEMPT = (
 
 
 SELECT_AMBIGUOUS_DUE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= $1 "
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= $1 "
     "AND COALESCE(due_at, 0) <= $2 ORDER BY updated_at LIMIT $3"
 )
 PUT_OFF_PROBE = "UPDATE operations SET due_at = $1 WHERE id = $2"
@@ -353,7 +345,7 @@ CLOSE_OPEN_ATTEMPTS = (
 )
 # Paged by position in the operation's log: LIMIT NULL is all.
 SELECT_ATTEMPTS = (
-    f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE operation_id = $1 ORDER BY id "
+    f"SELECT {shape.ATTEMPT_COLUMNS} FROM attempts WHERE operation_id = $1 ORDER BY id "
     "LIMIT $2 OFFSET $3"
 )
 
@@ -440,16 +432,16 @@ SELECT_OPERATOR_ACTIONS = (
 # events outbox
 INSERT_OPERATION_EVENT = (
     "INSERT INTO events (id, kind, at, run_id, operation_id, recipient_id, outcome) "
-    f"SELECT $1, '{OPERATION_SETTLED}', $2, run_id, id, recipient_id, state "
+    f"SELECT $1, '{shape.OPERATION_SETTLED}', $2, run_id, id, recipient_id, state "
     "FROM operations WHERE id = $3"
 )
 INSERT_RUN_EVENT = (
-    f"INSERT INTO events (id, kind, at, run_id, counts) SELECT $1, '{RUN_FINISHED}', $2, $3, "
+    f"INSERT INTO events (id, kind, at, run_id, counts) SELECT $1, '{shape.RUN_FINISHED}', $2, $3, "
     "COALESCE((SELECT json_object_agg(state, n)::text FROM (SELECT state, COUNT(*) AS n "
     "FROM operations WHERE run_id = $3 GROUP BY state) s), '{}')"
 )
 SELECT_EVENTS_AFTER = (
-    f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > $1 ORDER BY seq LIMIT $2"
+    f"SELECT {shape.EVENT_COLUMNS} FROM events WHERE seq > $1 ORDER BY seq LIMIT $2"
 )
 # Sequences leave gaps in PostgreSQL (a rolled-back insert keeps its number): count.
 EVENT_BACKLOG = "SELECT COUNT(*), MIN(at) FROM events WHERE seq > $1"

@@ -9,14 +9,6 @@ the same arguments to both.
 from __future__ import annotations
 
 from supervisor.ledger import shape
-from supervisor.ledger.shape import (
-    ATTEMPT_COLUMNS,
-    EVENT_COLUMNS,
-    OP_COLUMNS,
-    OPERATION_SETTLED,
-    RUN_COLUMNS,
-    RUN_FINISHED,
-)
 from supervisor.states import OpState
 
 SCHEMA = """
@@ -189,12 +181,12 @@ INSERT_RUN = (
     "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, source_kind, "
     "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tick_key) DO NOTHING"
 )
-SELECT_RUN_BY_TICK = f"SELECT {RUN_COLUMNS} FROM runs WHERE tick_key = ?"
+SELECT_RUN_BY_TICK = f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE tick_key = ?"
 SELECT_RECENT_RUN_OF_SCHEDULE = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE schedule = ? AND created_at >= ? "
+    f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE schedule = ? AND created_at >= ? "
     "ORDER BY created_at DESC LIMIT 1"
 )
-SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = ?"
+SELECT_RUN = f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE id = ?"
 SELECT_UNFINISHED_RUN = (
     f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
 )
@@ -213,7 +205,7 @@ SELECT_SCHEDULE_RUNS = (
     f"UNION SELECT * FROM (SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = ?1 "
     "ORDER BY created_at DESC, id DESC LIMIT 1) ORDER BY created_at, id"
 )
-SELECT_RUNS_TO_SCAN = f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
+SELECT_RUNS_TO_SCAN = f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
 SELECT_CURRENT_RUN = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
 UPDATE_RUN_PAGE = (
     "UPDATE runs SET scan_cursor = ?, scan_pages = scan_pages + 1, "
@@ -257,18 +249,18 @@ INSERT_OPERATION = (
     "INSERT INTO operations (id, run_id, recipient_id, state, created_at, updated_at) "
     "VALUES (?, ?, ?, 'discovered', ?, ?) ON CONFLICT (run_id, recipient_id) DO NOTHING"
 )
-SELECT_OPERATION = f"SELECT {OP_COLUMNS} FROM operations WHERE id = ?"
+SELECT_OPERATION = f"SELECT {shape.OP_COLUMNS} FROM operations WHERE id = ?"
 SELECT_OPERATIONS_WITH_OPEN_ATTEMPT = (
-    f"SELECT {OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
+    f"SELECT {shape.OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
     "operations.id ORDER BY a.id DESC LIMIT 1) FROM operations "
     "WHERE id IN (SELECT value FROM json_each(?))"
 )
 # Paged by operation ID (time-ordered, unique): the cursor means the same in every backend.
 SELECT_OPERATIONS = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = ? AND id > ? ORDER BY id LIMIT ?"
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE run_id = ? AND id > ? ORDER BY id LIMIT ?"
 )
 SELECT_OPERATIONS_IN_STATE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = ? AND state = ? AND id > ? "
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE run_id = ? AND state = ? AND id > ? "
     "ORDER BY id LIMIT ?"
 )
 SELECT_UNPUBLISHED = (
@@ -363,11 +355,11 @@ def transition(target: OpState, guard_busy: bool, returning: bool = True) -> str
 
 
 SELECT_OPERATIONS_BY_STATE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE state = ? AND id > ? ORDER BY id LIMIT ?"
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE state = ? AND id > ? ORDER BY id LIMIT ?"
 )
 # Settled long enough, and not put off by an inconclusive probe (due_at: its backoff).
 SELECT_AMBIGUOUS_DUE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= ? "
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= ? "
     "AND COALESCE(due_at, 0) <= ? ORDER BY updated_at LIMIT ?"
 )
 PUT_OFF_PROBE = "UPDATE operations SET due_at = ? WHERE id = ?"
@@ -401,7 +393,7 @@ CLOSE_OPEN_ATTEMPTS = (
 )
 # Paged by position in the operation's log (rows are only ever appended): no limit is all.
 SELECT_ATTEMPTS = (
-    f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE operation_id = ?1 ORDER BY id "
+    f"SELECT {shape.ATTEMPT_COLUMNS} FROM attempts WHERE operation_id = ?1 ORDER BY id "
     "LIMIT COALESCE(?2, -1) OFFSET ?3"
 )
 
@@ -461,15 +453,15 @@ UPSERT_BUDGET = (
 # operation (the run).
 INSERT_OPERATION_EVENT = (
     "INSERT INTO events (id, kind, at, run_id, operation_id, recipient_id, outcome) "
-    f"SELECT ?1, '{OPERATION_SETTLED}', ?2, run_id, id, recipient_id, state "
+    f"SELECT ?1, '{shape.OPERATION_SETTLED}', ?2, run_id, id, recipient_id, state "
     "FROM operations WHERE id = ?3"
 )
 INSERT_RUN_EVENT = (
     "INSERT INTO events (id, kind, at, run_id, counts) "
-    f"SELECT ?1, '{RUN_FINISHED}', ?2, ?3, json_group_object(state, n) FROM "
+    f"SELECT ?1, '{shape.RUN_FINISHED}', ?2, ?3, json_group_object(state, n) FROM "
     "(SELECT state, COUNT(*) AS n FROM operations WHERE run_id = ?3 GROUP BY state)"
 )
-SELECT_EVENTS_AFTER = f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > ? ORDER BY seq LIMIT ?"
+SELECT_EVENTS_AFTER = f"SELECT {shape.EVENT_COLUMNS} FROM events WHERE seq > ? ORDER BY seq LIMIT ?"
 # The outbox is gapless from its oldest row to its newest: one writer hands out the seqs
 # and pruning only ever removes the oldest. So the backlog past a cursor is the newest seq
 # minus the first one past it, plus one: two lookups on the primary key, no count.

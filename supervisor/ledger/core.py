@@ -113,11 +113,23 @@ class LedgerCore(ABC, Generic[TxT]):
         """Refuse to start an attempt (raise) while this process may not: PostgreSQL's
         fence, a replica whose registration is stale. Nothing by default."""
 
-    # -- runs --------------------------------------------------------------------------
+    @abstractmethod
+    async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           busy_s: float) -> bool:
+        """See :meth:`~supervisor.ledger.base.Ledger.keep_attempt`: each backend's own,
+        as whose hold counts is (one process's clock; a fresh replica's, on the
+        database's)."""
+
+    @abstractmethod
+    async def owns_attempt(self, operation_id: str, attempt_id: int, owner: str,
+                           for_s: float) -> bool:
+        """See :meth:`~supervisor.ledger.base.Ledger.owns_attempt` (as keep_attempt)."""
 
     @property
     def healthy(self) -> bool:
         return self._storage.healthy
+
+    # -- runs --------------------------------------------------------------------------
 
     async def open_run(self, tick_key: str, schedule: str, scheduled_for: float | None,
                        source: Mapping[str, Any], skip_if_unfinished: bool,

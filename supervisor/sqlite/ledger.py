@@ -237,7 +237,8 @@ class SqliteLedger(LedgerCore[SqliteTx]):
             (s.operation_id, s.delivery.receipt) for s in settlements
             if s.delivery is not None and s.disposition is Disposition.ACK])
         await conn.executemany(sql.RETRY_MESSAGE, [
-            (now + s.delay_s, s.operation_id, s.delivery.receipt) for s in settlements
+            (self._queue_time(now, s.delay_s), s.operation_id, s.delivery.receipt)
+            for s in settlements
             if s.delivery is not None and s.disposition is Disposition.RETRY])
         await self._record_events(SqliteTx(conn), sql.INSERT_OPERATION_EVENT,
                                   [s.operation_id for s in settlements if s.target in SETTLED],

@@ -61,8 +61,9 @@ class SqliteTx:
         return list(await self.conn.execute_fetchall(query, _params(args)))
 
     async def fetchrow(self, query: str, *args: Any) -> Row | None:
-        async with self.conn.execute(query, _params(args)) as cur:
-            return await cur.fetchone()
+        # One round trip to the writer's thread, not three (execute, fetch, close).
+        found = await self.conn.execute_fetchall(query, _params(args))
+        return next(iter(found), None)
 
     async def lock(self, name: str) -> None:
         pass

@@ -361,6 +361,8 @@ class LedgerCore(ABC, Generic[TxT]):
         async def write(tx: TxT) -> None:
             await self._settle_each(tx, settlements)
 
+        # With a savepoint: each attempt is finished first (that is how a superseded one
+        # is found), so a transition refused after it must undo that write.
         await self._write(write)
         return self._leftovers(settlements)
 

@@ -10,7 +10,8 @@ import time
 
 import orjson
 import pytest
-from conftest import free_port
+
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.e2e
 

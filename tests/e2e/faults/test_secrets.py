@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from .conftest import E2E, KEYS, Fault, FaultService, cli, fault_service, verify
+from tests.e2e.faults.harness import KEYS, Fault, FaultService, cli, fault_service, verify
+from tests.e2e.harness import E2E
 
 pytestmark = pytest.mark.e2e
 

@@ -11,15 +11,20 @@ import asyncio
 import inspect
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor.config import InfraiConfig, Secret
-from supervisor.model import Message, Run
+from supervisor.model import Message, Run, Settlement
+from supervisor.queue.courier import Courier
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
+from supervisor.sqlite.queue import SqliteQueue
+from supervisor.states import OpState
 
 T = TypeVar("T")
 
@@ -97,6 +102,48 @@ async def open_run(ledger: Any, tick: str = "weekly@1", ids: list[str] | None = 
     if ids is not None:
         await ledger.record_page(opened.run.id, ids, None, 0)
     return opened.run  # type: ignore[no-any-return]
+
+
+# -- the SQLite ledger's writer -------------------------------------------------------------
+
+
+@asynccontextmanager
+async def writer_held(db: Database) -> AsyncIterator[Callable[[], Awaitable[int]]]:
+    """Hold the ledger's writer inside a batch, so writes queued meanwhile share the next
+    group commit. ``release()`` lets the held batch commit and returns the commit count."""
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    async def hold(conn: object) -> None:
+        entered.set()
+        await gate.wait()
+
+    blocker = asyncio.create_task(db.write(hold))
+    await entered.wait()
+
+    async def release() -> int:
+        gate.set()
+        await blocker
+        return db.commits
+
+    try:
+        yield release
+    finally:
+        gate.set()
+        await blocker
+
+
+HoldWriter = Callable[[], AbstractAsyncContextManager[Callable[[], Awaitable[int]]]]
+
+
+async def ambiguous_operation(ledger: SqliteLedger, queue: SqliteQueue) -> str:
+    """A one-recipient run whose only operation's DELETE had an unknown outcome."""
+    await open_run(ledger, ids=["r-000001"])
+    await Courier(ledger, queue).publish(await ledger.unpublished(10))
+    [d] = await queue.receive(1, 60)
+    attempt = await ledger.begin_attempt(d.message.operation_id, "delete")
+    await ledger.settle([Settlement(d.message.operation_id, OpState.AMBIGUOUS, d,
+                                    attempt_id=attempt, outcome="ambiguous")])
+    return d.message.operation_id
 
 
 # -- Prometheus text -------------------------------------------------------------------------

@@ -163,6 +163,8 @@ class TestQueueContract:
         [d] = await q.receive(1, backend.lease_s)
         await q.ack([d])
         await q.ack([d])
+        await backend.advance(backend.lease_s * 2 + 1)
+        assert await q.receive(1, backend.lease_s) == []  # acked: never delivered again
 
     async def test_a_delayed_message_is_hidden_until_due(self, backend: Backend) -> None:
         q = backend.queue

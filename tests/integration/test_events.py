@@ -10,9 +10,8 @@ import asyncio
 import hashlib
 import hmac
 import itertools
-import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 
 from cleanup_sandbox import SandboxConfig, run_sandbox
-from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from cleanup_sandbox.infrai import Emulator
 from cleanup_sandbox.state import recipient_ids
 from supervisor.config import (
     Config,
@@ -48,17 +47,15 @@ from supervisor.events.sinks import (
     idempotency_key,
     signature,
 )
-from supervisor.model import Event, Run, Settlement
+from supervisor.model import Event, Settlement
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.service import Service
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.states import OpState
-
-from .conftest import HoldWriter
+from tests.helpers import HoldWriter, eventually, free_port, infrai_config, open_run
 
 SECRET = "whsec_events_test"
-KEY = "ifr_events_key"
 EVENTS_QUEUE = "cleanup-events"
 _names = itertools.count()
 
@@ -71,26 +68,6 @@ def unique(prefix: str) -> str:
 def sample(name: str, sink: str) -> float:
     value = REGISTRY.get_sample_value(name, {"sink": sink})
     return 0.0 if value is None else value
-
-
-async def eventually(check: Callable[[], Awaitable[bool] | bool], within_s: float = 15.0,
-                     what: str = "condition") -> None:
-    deadline = time.monotonic() + within_s
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)  # polling a condition in a test
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Hook:
@@ -153,20 +130,6 @@ class Hook:
         return [e["id"] for e in self.events]
 
 
-@pytest.fixture
-async def emulator() -> AsyncIterator[Emulator]:
-    emu = await start_emulator(EmulatorConfig(api_key=KEY, seed=7))
-    try:
-        yield emu
-    finally:
-        await emu.close()
-
-
-def infrai_config(emulator: Emulator) -> InfraiConfig:
-    return InfraiConfig(base_url=emulator.url, token=Secret(KEY), backoff_initial_seconds=0.01,
-                        backoff_max_seconds=0.05)
-
-
 def events_config(*sinks: SinkConfig, **kw: Any) -> EventsConfig:
     kw.setdefault("poll_interval_seconds", 0.05)
     kw.setdefault("backoff_initial_seconds", 0.02)
@@ -193,13 +156,6 @@ async def running(relay: EventRelay) -> AsyncIterator[list[asyncio.Task[None]]]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await relay.close()
-
-
-async def open_run(ledger: SqliteLedger, ids: list[str], tick: str = "weekly@1") -> Run:
-    opened = await ledger.open_run(tick, "weekly", None, {"kind": "inline"}, False)
-    assert opened.run is not None
-    await ledger.record_page(opened.run.id, ids, None, 0)
-    return opened.run
 
 
 async def operation_ids(ledger: SqliteLedger, run_id: str) -> list[str]:
@@ -247,7 +203,7 @@ async def test_each_event_commits_with_its_change_in_the_group_commit(
     sharing a group commit with a legal one leaves only the legal one's event, and one
     writer keeps the outbox gapless. (Which changes write which events, the cursors,
     backlog and pruning: tests/contract/test_ledger.py, on every backend.)"""
-    run = await open_run(ledger, [f"r-{i}" for i in range(4)])
+    run = await open_run(ledger, ids=[f"r-{i}" for i in range(4)])
     ops = await operation_ids(ledger, run.id)
     attempt = await ledger.begin_attempt(ops[0], "delete")
     commits = db.commits
@@ -276,7 +232,7 @@ async def test_each_event_commits_with_its_change_in_the_group_commit(
 
 
 async def test_the_relay_prunes_what_every_configured_sink_took(ledger: SqliteLedger) -> None:
-    run = await open_run(ledger, [f"r-{i}" for i in range(25)])
+    run = await open_run(ledger, ids=[f"r-{i}" for i in range(25)])
     for op in await operation_ids(ledger, run.id):
         await settle(ledger, op, OpState.DELETED)
     hook = Hook()
@@ -304,7 +260,7 @@ async def test_three_sinks_one_down_every_event_reaches_every_sink_once_in_order
     relay = EventRelay(config, infrai_config(emulator), ledger, refresh_s=0.05)
     failures_before = {s: sample("cleanup_events_sink_failures_total", s) for s in (q, a, b)}
     delivered_before = {s: sample("cleanup_events_delivered_total", s) for s in (q, a, b)}
-    run = await open_run(ledger, [f"r-{i:03d}" for i in range(60)])
+    run = await open_run(ledger, ids=[f"r-{i:03d}" for i in range(60)])
     ops = await operation_ids(ledger, run.id)
     targets = [OpState.DELETED, OpState.DELETED, OpState.ALREADY_ABSENT, OpState.FAILED,
                OpState.AMBIGUOUS]
@@ -342,8 +298,7 @@ async def test_three_sinks_one_down_every_event_reaches_every_sink_once_in_order
     await up.stop()
     await down.stop()
     queued: list[dict[str, Any]] = []
-    reader = InfraiQueue(InfraiConfig(base_url=emulator.url, token=Secret(KEY),
-                                      queue=EVENTS_QUEUE, create_queues=False))
+    reader = InfraiQueue(infrai_config(emulator, queue=EVENTS_QUEUE, create_queues=False))
     await reader.start()
     try:
         await drain_queue(reader, queued)
@@ -372,7 +327,7 @@ async def test_a_new_relay_resumes_at_the_stored_cursor(ledger: SqliteLedger) ->
     await hook.start()
     name = unique("resume")
     config = events_config(webhook(name, hook, batch_size=4))
-    run = await open_run(ledger, [f"r-{i:03d}" for i in range(30)])
+    run = await open_run(ledger, ids=[f"r-{i:03d}" for i in range(30)])
     ops = await operation_ids(ledger, run.id)
     for op in ops[:10]:
         await settle(ledger, op, OpState.DELETED)
@@ -459,7 +414,7 @@ async def test_the_service_runs_a_sink_and_its_events_follow_the_deletions(
 async def test_webhook_requests_are_signed_and_keyed_by_event_id(ledger: SqliteLedger) -> None:
     hook = Hook(signed="body")
     await hook.start()
-    run = await open_run(ledger, ["r-1", "r-2", "r-3"])
+    run = await open_run(ledger, ids=["r-1", "r-2", "r-3"])
     ops = await operation_ids(ledger, run.id)
     await settle(ledger, ops[0], OpState.DELETED)
     sink = WebhookSink(webhook(unique("signed"), hook, signed="body"))
@@ -489,7 +444,7 @@ async def test_a_receivers_error_text_is_escaped_bounded_and_its_url_tokens_cut(
     hook.status = 500
     hook.refusal = "oops\n2026-01-01 INFO supervisor: operator logged in\x1b[2J" + "x" * 5000
     await hook.start()
-    run = await open_run(ledger, ["r-1"])
+    run = await open_run(ledger, ids=["r-1"])
     await settle(ledger, (await operation_ids(ledger, run.id))[0], OpState.DELETED)
     [event] = await all_events(ledger)
     sink = WebhookSink(webhook(unique("chatty"), hook))
@@ -525,7 +480,7 @@ async def test_a_wrong_secret_is_refused_and_retried_not_skipped(ledger: SqliteL
     await hook.start()
     name = unique("wrong-secret")
     relay = EventRelay(events_config(webhook(name, hook)), InfraiConfig(), ledger)
-    run = await open_run(ledger, ["r-1"])
+    run = await open_run(ledger, ids=["r-1"])
     await settle(ledger, (await operation_ids(ledger, run.id))[0], OpState.DELETED)
     async with running(relay):
         await eventually(lambda: hook.bad_signatures >= 2, what="refusals")

@@ -24,7 +24,7 @@ import pytest
 
 from supervisor.errors import OperationBusy, ReplicaFenced, ScanConflict
 from supervisor.ledger.settings import LedgerConfig
-from supervisor.model import Delivery, Event, Message, Settlement
+from supervisor.model import Delivery, Event, Settlement
 from supervisor.postgres import connect as pgnames
 from supervisor.postgres import sql as pg_sql
 from supervisor.postgres.database import CHANNELS, PgDatabase
@@ -33,6 +33,7 @@ from supervisor.postgres.queue import FALLBACK_POLL_S, PostgresQueue
 from supervisor.postgres.replicas import AdvisoryRoles, Membership, RoleLost
 from supervisor.queue.courier import Courier
 from supervisor.states import OpState
+from tests.helpers import eventually, msg
 
 CONFIG = LedgerConfig(heartbeat_seconds=0.5, dead_after_seconds=3.0, role_poll_seconds=0.05)
 
@@ -89,19 +90,6 @@ async def admin(pg: Any) -> AsyncIterator[asyncpg.Connection]:
         yield conn
     finally:
         await conn.close()
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 5.0,
-                     what: str = "condition") -> None:
-    deadline = time.monotonic() + within_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)  # polling another session's effect, with a deadline
-
-
-def msg(i: int) -> Message:
-    return Message(run_id="run_1", operation_id=f"op_{i:04d}", recipient_id=f"r-{i}")
 
 
 async def still_waiting(task: asyncio.Future[Any], for_s: float) -> bool:

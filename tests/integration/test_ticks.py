@@ -10,31 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from cleanup_sandbox.infrai import Emulator
 from supervisor import metrics
-from supervisor.config import InfraiConfig, Secret
 from supervisor.queue.infrai import InfraiQueue
 from supervisor.runs import RunOpener
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.ticks import TickPuller, publish_tick, tick_from
+from tests.helpers import infrai_config
 
 from .http_app import load_config
-
-KEY = "ifr_tick_key"
-
-
-@pytest.fixture
-async def emulator() -> AsyncIterator[Emulator]:
-    emu = await start_emulator(EmulatorConfig(api_key=KEY))
-    try:
-        yield emu
-    finally:
-        await emu.close()
 
 
 @pytest.fixture
 async def ticks(emulator: Emulator) -> AsyncIterator[InfraiQueue]:
-    q = InfraiQueue(InfraiConfig(base_url=emulator.url, token=Secret(KEY), queue="ticks",
+    q = InfraiQueue(infrai_config(emulator, queue="ticks",
                                  dead_letter_queue=""))
     await q.start()
     try:

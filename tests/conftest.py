@@ -72,6 +72,23 @@ async def emulator(emulator_options: dict[str, Any]) -> AsyncIterator[Emulator]:
 
 # -- PostgreSQL ------------------------------------------------------------------------------
 
+def _uses_postgres(item: pytest.Item) -> bool:
+    """A case that asks for the ``pg`` schema, directly or through a backend parameter
+    named after PostgreSQL (the contract classes pick their backend by name)."""
+    if "pg" in getattr(item, "fixturenames", ()):
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(
+        isinstance(v, str) and v.startswith("postgres") for v in callspec.params.values())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # `-m "not postgres"` (make check) leaves out every case that needs the server.
+    for item in items:
+        if _uses_postgres(item):
+            item.add_marker(pytest.mark.postgres)
+
+
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 _reachable: bool | None = None
 

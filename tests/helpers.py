@@ -15,11 +15,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
+import asyncpg
 from prometheus_client.parser import text_string_to_metric_families
 
 from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
 from supervisor.config import InfraiConfig, Secret
 from supervisor.model import Message, Run, Settlement
+from supervisor.postgres import connect as pgnames
 from supervisor.queue.courier import Courier
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
@@ -62,6 +64,13 @@ async def eventually(probe: Callable[[], Any], within_s: float = 15.0,
             detail = f" (last error: {last})" if last is not None else ""
             raise AssertionError(f"timed out waiting for {what}: not within {within_s}s{detail}")
         await asyncio.sleep(every_s)
+
+
+async def still_waiting(task: asyncio.Future[Any], for_s: float) -> bool:
+    """True when ``task`` has not finished within ``for_s``: an assertion that something
+    blocks (nothing else can show it), not a synchronisation."""
+    done, _ = await asyncio.wait({task}, timeout=for_s)
+    return not done
 
 
 # -- the Infrai emulator, in process ---------------------------------------------------------
@@ -144,6 +153,28 @@ async def ambiguous_operation(ledger: SqliteLedger, queue: SqliteQueue) -> str:
     await ledger.settle([Settlement(d.message.operation_id, OpState.AMBIGUOUS, d,
                                     attempt_id=attempt, outcome="ambiguous")])
     return d.message.operation_id
+
+
+# -- PostgreSQL ------------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def admin(pg: Any) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(pg.dsn, server_settings={"search_path": pg.schema})
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def advisory_lock_holder(pg: Any, conn: asyncpg.Connection, name: str) -> int:
+    """The server pid of the session holding role ``name``'s advisory lock."""
+    key = pgnames.lock_key(pg.schema, f"role:{name}") & 0xFFFFFFFFFFFFFFFF
+    rows = await conn.fetch(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
+        "AND classid = $1::bigint::oid AND objid = $2::bigint::oid", key >> 32, key & 0xFFFFFFFF)
+    [row] = rows
+    return int(row[0])
 
 
 # -- Prometheus text -------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Plain helpers every suite shares; the fixtures built on them live in the conftest files.
 
 One copy of each: a free loopback port, polling with a deadline, the Infrai emulator and a
-service configuration pointed at it, message and run builders, and Prometheus text read
-by ``prometheus_client``'s own parser.
+service configuration pointed at it, message and run builders, the SQLite ledger's writer
+held, PostgreSQL's admin session and advisory-lock holder, and Prometheus text read by
+``prometheus_client``'s own parser.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,8 +28,6 @@ from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.sqlite.queue import SqliteQueue
 from supervisor.states import OpState
-
-T = TypeVar("T")
 
 # The API key of every in-process emulator the tests start.
 EMU_KEY = "ifr_test_key"

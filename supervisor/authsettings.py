@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from supervisor.configtypes import Secret, _positive
+from supervisor.configtypes import Secret, _positive, missing_secret
 
 MIN_TOKEN_BYTES = 32
 HSTS_SECONDS = 365 * 86400
@@ -48,8 +48,8 @@ class TriggerConfig:
 
     def problems(self) -> list[str]:
         if self.token is None:
-            return [f"trigger.token_env: ${self.token_env} (or ${self.token_env}_FILE) is not "
-                    "set; the trigger endpoint never runs without a token"]
+            return [missing_secret("trigger.token_env", self.token_env,
+                                   "the trigger endpoint never runs without a token")]
         return []
 
 

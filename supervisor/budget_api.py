@@ -18,18 +18,16 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from supervisor.apiauth import Scope, authorize
+from supervisor.apistate import API, ApiError, ApiState, json_body, json_response
 from supervisor.budget.base import Snapshot
 from supervisor.errors import StorageError
 from supervisor.model import OperatorAction
 from supervisor.openapi import PRINTABLE
-
-if TYPE_CHECKING:
-    from supervisor.http import ApiState
 
 log = logging.getLogger(__name__)
 
@@ -111,37 +109,33 @@ async def resume(api: ApiState, by: str, reason: str, forget_limit: bool) -> dic
 
 
 async def get_budget(request: web.Request) -> web.Response:
-    from supervisor import http
-
     authorize(request, Scope.READ)
-    api = request.app[http.API]
+    api = request.app[API]
     if api.budget is None:
-        raise http.ApiError(404, "no rate budget here")
-    return http._json(await show(api))
+        raise ApiError(404, "no rate budget here")
+    return json_response(await show(api))
 
 
 async def post_resume(request: web.Request) -> web.Response:
-    from supervisor import http
-
     authorize(request, Scope.OPERATE)  # as resolve: an operator's decision
-    api = request.app[http.API]
+    api = request.app[API]
     if api.budget is None:
-        raise http.ApiError(404, "no rate budget here")
-    doc = await http._json_body(request)
+        raise ApiError(404, "no rate budget here")
+    doc = await json_body(request)
     unknown = set(doc) - {"by", "reason", "forget_limit"}
     if unknown:
-        raise http.ApiError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
+        raise ApiError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
     forget = doc.get("forget_limit", False)
     if not isinstance(forget, bool):
-        raise http.ApiError(400, "forget_limit must be true or false")
+        raise ApiError(400, "forget_limit must be true or false")
     try:
         by, why = check_field("by", doc.get("by")), check_field("reason", doc.get("reason"))
     except Refused as exc:
-        raise http.ApiError(400, str(exc)) from None
+        raise ApiError(400, str(exc)) from None
     try:
-        return http._json(await resume(api, by, why, forget))
+        return json_response(await resume(api, by, why, forget))
     except StorageError:
-        raise http.ApiError(503, "the ledger cannot record the resume now; nothing was "
+        raise ApiError(503, "the ledger cannot record the resume now; nothing was "
                                  "changed") from None
 
 

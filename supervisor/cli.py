@@ -70,28 +70,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     """Apply the schema migrations the configured ledger lacks, and say which."""
+    from supervisor import composition
+
     cfg = config.load(_config_path(args.config))
-
-    async def migrate() -> list[str]:
-        if cfg.ledger.backend == "sqlite":
-            from supervisor.sqlite.database import Database
-
-            db = Database(cfg.ledger_path)
-            await db.open()  # a SQLite file gains what it lacks at every open
-            await db.close()
-            return []
-        from supervisor.backends import pg_migrations
-        from supervisor.postgres import connect as pg
-
-        assert cfg.ledger.dsn is not None
-        pool = await pg.create_pool(cfg.ledger.dsn.reveal(), cfg.ledger.schema, max_size=1)
-        try:
-            return await pg.migrate(pool, cfg.ledger.schema, pg_migrations())
-        finally:
-            await pool.close()
-
-    applied = run_async(migrate())
-    where = cfg.ledger_path if cfg.ledger.backend == "sqlite" else f"schema {cfg.ledger.schema}"
+    where, applied = run_async(composition.migrate(cfg))
     print(f"{where}: " + (", ".join(f"applied {a}" for a in applied) if applied
                           else "up to date"))
     return 0
@@ -191,9 +173,7 @@ async def _request(method: str, url: str, body: Any = None, tick: bool = False
 
 def _trigger_via_infrai(args: argparse.Namespace, body: dict[str, Any]) -> int:
     """Publish the tick to Infrai's tick queue: the service pulls it (no inbound traffic)."""
-    import dataclasses
-
-    from supervisor.queue.infrai import InfraiQueue
+    from supervisor import composition
     from supervisor.ticks import publish_tick
 
     cfg = config.load(_config_path(args.config))
@@ -206,13 +186,8 @@ def _trigger_via_infrai(args: argparse.Namespace, body: dict[str, Any]) -> int:
     tick = {k: v for k, v in body.items() if k in ("schedule", "scheduled_for")}
 
     async def publish() -> str:
-        queue = InfraiQueue(dataclasses.replace(cfg.infrai, queue=cfg.infrai.tick_queue,
-                                                dead_letter_queue=""))
-        await queue.start()
-        try:
-            return await publish_tick(queue, tick)
-        finally:
-            await queue.close()
+        async with composition.infrai_session(cfg.infrai, cfg.infrai.tick_queue) as channel:
+            return await publish_tick(composition.tick_source(channel), tick)
 
     try:
         message_id = run_async(publish())
@@ -295,7 +270,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
 def cmd_dlq_redrive(args: argparse.Namespace) -> int:
     """Move Infrai's dead-lettered messages back to the queue. Safe at any time: a message
     whose operation is settled is acked on sight."""
-    from supervisor.queue.infrai import InfraiQueue
+    from supervisor import composition
 
     cfg = config.load(_config_path(args.config))
     if cfg.queue.backend != "infrai":
@@ -304,12 +279,8 @@ def cmd_dlq_redrive(args: argparse.Namespace) -> int:
         return 2
 
     async def redrive() -> Any:
-        queue = InfraiQueue(cfg.infrai)
-        await queue.start()
-        try:
-            return await queue.redrive_dead_letters()
-        finally:
-            await queue.close()
+        async with composition.infrai_session(cfg.infrai) as channel:
+            return await channel.redrive_dead_letters()
 
     result = run_async(redrive())
     print(orjson.dumps({"queue": cfg.infrai.queue, "result": result}).decode())
@@ -320,7 +291,7 @@ def cmd_infrai_cron(args: argparse.Namespace) -> int:
     """``infrai cron apply``: the Infrai cron job for the configured schedule, created or
     kept as it is (applying twice changes nothing); ``status``: the job, its next run and
     its recent runs."""
-    from supervisor.infrai.client import InfraiClient
+    from supervisor import composition
     from supervisor.infrai.cron import CronRefused, InfraiCron, masked
 
     cfg = config.load(_config_path(args.config))
@@ -338,10 +309,8 @@ def cmd_infrai_cron(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     async def act() -> dict[str, Any]:
-        client = InfraiClient(cfg.infrai)
-        await client.start()
-        try:
-            cron = InfraiCron(client, cfg.infrai, cfg.trigger.tick_token)
+        async with composition.infrai_session(cfg.infrai) as channel:
+            cron = InfraiCron(channel.client, cfg.infrai, cfg.trigger.tick_token)
             spec = cron.spec(s.name, s.cron or "", s.timezone)
             if args.action == "apply":
                 done, job = await cron.apply(spec, replace=args.replace)
@@ -352,8 +321,6 @@ def cmd_infrai_cron(args: argparse.Namespace) -> int:
             runs = await cron.runs(jobs[0])
             return {"job": jobs[0], "next_run_at": jobs[0].get("next_run_at"),
                     "recent_runs": runs[-args.runs:]}
-        finally:
-            await client.close()
 
     try:
         out = run_async(act())
@@ -369,7 +336,8 @@ def cmd_infrai_cron(args: argparse.Namespace) -> int:
 def cmd_infrai_push(args: argparse.Namespace) -> int:
     """``infrai push subscribe``: have Infrai POST the queue's messages to this service's
     /v1/push/{queue} (infrai.push_url), signed with the push secret."""
-    from supervisor.infrai.client import InfraiClient, InfraiError
+    from supervisor import composition
+    from supervisor.infrai.client import InfraiError
     from supervisor.infrai.push import SubscribeRefused, subscribe, subscription
 
     cfg = config.load(_config_path(args.config))
@@ -383,12 +351,8 @@ def cmd_infrai_push(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     async def act() -> dict[str, Any]:
-        client = InfraiClient(cfg.infrai)
-        await client.start()
-        try:
-            return await subscribe(client, sub)
-        finally:
-            await client.close()
+        async with composition.infrai_session(cfg.infrai) as channel:
+            return await subscribe(channel.client, sub)
 
     try:
         out = run_async(act())

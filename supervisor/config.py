@@ -31,16 +31,30 @@ from supervisor.authsettings import (
     service_problems,
     token_problems,
 )
-from supervisor.configtypes import Secret, _positive
+from supervisor.budget.settings import LimitsConfig
+from supervisor.configtypes import (
+    MISSING_SECRET,
+    Secret,
+    _positive,
+    missing_secret,
+    read_secret,
+)
 from supervisor.errors import ConfigError
 from supervisor.events.settings import EventsConfig, resolve_sinks
 from supervisor.infrai.settings import InfraiConfig, resolve_push_secret
 from supervisor.ledger.settings import LedgerConfig
+from supervisor.queue.settings import QueueConfig
 from supervisor.tickrules import SCHEDULE_RULE, check_schedule
 
 ENV_PREFIX = "CLEANUP__"
 
-__all__ = ["Config", "InfraiConfig", "Secret", "StatusConfig", "TriggerConfig", "load"]
+# One shape: a section owned by a package lives in that package's settings module
+# ([ledger] ledger/, [queue] queue/, [limits] budget/, [infrai] infrai/, [events] events/),
+# the HTTP layer's access sections in authsettings.py ([trigger], [status]) and
+# api_settings.py ([api]); the sections of the core modules that are no package
+# ([service], [schedule], [source], [partner]) live here, beside the loader. Each type is
+# imported from where it is defined (tests/unit/test_config_imports.py), never through here.
+__all__ = ["Config", "PartnerConfig", "ScheduleConfig", "ServiceConfig", "SourceConfig", "load"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,37 +176,6 @@ class SourceConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class QueueConfig:
-    # sqlite: a table in the ledger's own file; infrai: Infrai's managed queue, pulled
-    # (works from a private network), see [infrai]; postgres: a table in the PostgreSQL
-    # ledger's database (claims with SKIP LOCKED, ack in the outcome's transaction).
-    backend: Literal["sqlite", "infrai", "postgres"] = "sqlite"
-    lease_seconds: float = 60.0
-    # A message received this many times ends its operation as failed: a poison message
-    # must not circulate for ever.
-    max_receives: int = 20
-    receive_batch: int = 32
-    # Messages received beyond the idle workers, so a transport's round trip never leaves
-    # a worker waiting (each one is held under its visibility timeout meanwhile), refilled
-    # in batches once half are taken. Unset: none for the embedded queue, 10 for a
-    # managed one (its calls cost time and money).
-    prefetch: int | None = None
-    poll_interval_seconds: float = 1.0
-    # The ledger is truth: every interval, an unfinished operation untouched for the grace
-    # period and without a message in the queue is published again.
-    redrive_interval_seconds: float = 60.0
-    redrive_grace_seconds: float = 120.0
-
-    def problems(self) -> list[str]:
-        out = _positive("queue", self, "lease_seconds", "max_receives", "receive_batch",
-                        "poll_interval_seconds", "redrive_interval_seconds",
-                        "redrive_grace_seconds")
-        if self.prefetch is not None and self.prefetch < 0:
-            out.append(f"queue.prefetch must be >= 0, got {self.prefetch}")
-        return out
-
-
-@dataclass(frozen=True, slots=True)
 class PartnerConfig:
     base_url: str = "http://127.0.0.1:9000"
     delete_path: str = "/recipients/{recipient_id}"
@@ -241,90 +224,6 @@ class PartnerConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class QuotaConfig:
-    """A ``[[limits.quota]]`` entry: at most ``limit`` requests in any ``period_seconds``."""
-
-    limit: int = 0
-    period_seconds: float = 0.0
-    name: str = ""
-
-    def problems(self, key: str) -> list[str]:
-        out = []
-        if not self.limit > 0:
-            out.append(f"{key}.limit must be > 0, got {self.limit}")
-        if not self.period_seconds > 0:
-            out.append(f"{key}.period_seconds must be > 0, got {self.period_seconds}")
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class LimitsConfig:
-    # The documented partner limit: a ceiling the limiter never exceeds.
-    rate_per_second: float = 20.0
-    # The most requests in flight; the in-flight limit follows the partner's latency below it.
-    concurrency: int = 8
-    # Tokens the bucket may hold: a little over one, so a late timer wake-up is caught up
-    # without ever sending two requests back to back (aiolimiter#298: a bucket as large as
-    # the rate lets about twice the limit through in one window).
-    burst: float = 1.25
-    # Pace this fraction under a limit we know (the ceiling, an announced one).
-    headroom: float = 0.01
-    # On a 429 below the top: x this of the throttled rate (halved instead when refused
-    # again within a second of resuming: the limit is far below).
-    decrease_factor: float = 0.8
-    # On a 429 at the known ceiling: trim the rate by this and pace strictly.
-    edge_trim: float = 0.03
-    # After a cut, back just below the throttled rate after this long; then a probe that
-    # reaches the ceiling after probe_seconds, twice as long after each probe that fails at
-    # the same level (at most max_probe_seconds). A per-minute window wants about 60.
-    recovery_seconds: float = 8.0
-    probe_seconds: float = 12.0
-    max_probe_seconds: float = 600.0
-    floor_per_second: float = 0.5
-    # A Retry-After this long or longer is a pause the partner imposes (maintenance, a
-    # window, a storm), not a rate signal: every worker waits, the rate is not cut. A
-    # whole-second Retry-After for a wait of a few milliseconds reads as 1 s (seconds) or
-    # up to 2 s (HTTP-date), so anything past 2.5 s is a real wait. 0: every 429 cuts.
-    long_pause_seconds: float = 2.5
-    # What a run learnt (per partner base URL) drifts back towards the ceiling this fast.
-    memory_half_life_seconds: float = 7 * 86400.0
-    quota: tuple[QuotaConfig, ...] = ()
-
-    @property
-    def quotas(self) -> tuple[QuotaConfig, ...]:
-        return tuple(q if q.name else dataclasses.replace(q, name=f"{q.period_seconds:g}s")
-                     for q in self.quota)
-
-    def problems(self) -> list[str]:
-        out = _positive("limits", self, "rate_per_second", "concurrency", "floor_per_second",
-                        "recovery_seconds", "probe_seconds", "max_probe_seconds",
-                        "memory_half_life_seconds")
-        if self.long_pause_seconds < 0:
-            out.append(f"limits.long_pause_seconds must be >= 0, got {self.long_pause_seconds}")
-        # Every acquisition takes one whole token: a bucket that can never hold one would
-        # make aiolimiter refuse every acquire (ValueError), crashing every worker.
-        if not self.burst >= 1:
-            out.append(f"limits.burst must be >= 1, got {self.burst}")
-        for name in ("decrease_factor",):
-            value = getattr(self, name)
-            if not 0 < value < 1:
-                out.append(f"limits.{name} must be > 0 and < 1, got {value}")
-        for name in ("headroom", "edge_trim"):
-            value = getattr(self, name)
-            if not 0 <= value < 0.5:
-                out.append(f"limits.{name} must be >= 0 and < 0.5, got {value}")
-        if self.floor_per_second > self.rate_per_second > 0:
-            out.append("limits.floor_per_second must be <= limits.rate_per_second, "
-                       f"got {self.floor_per_second} > {self.rate_per_second}")
-        names = [q.name for q in self.quotas]
-        for i, q in enumerate(self.quota):
-            out += q.problems(f"limits.quota[{i}]")
-            if names.count(names[i]) > 1:
-                out.append(f"limits.quota[{i}].name {names[i]!r} is used twice")
-        return out
-
-
-@dataclass(frozen=True, slots=True)
 class Config:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
@@ -347,10 +246,6 @@ class Config:
 _SECTIONS: dict[str, type[Any]] = {f.name: f.type for f in dataclasses.fields(Config)}  # type: ignore[misc]
 _SECRET_FIELDS = {"token", "tick_token", "metrics_token", "secret", "push_secret", "dsn"}
 
-
-# How every "this secret's variable is not set" problem reads (config, ledger, infrai,
-# events): the one kind of problem a command that serves nothing may overlook.
-_MISSING_SECRET = re.compile(r"\$\S+ \(or \$\S+_FILE\) is not set")
 
 
 def load(path: Path | None, environ: Mapping[str, str] | None = None,
@@ -399,7 +294,7 @@ def load(path: Path | None, environ: Mapping[str, str] | None = None,
     problems += _across(sections)
     sections["service"], sections["status"] = resolve_access(sections)
     if not require_secrets:
-        problems = [p for p in problems if not _MISSING_SECRET.search(p)]
+        problems = [p for p in problems if not MISSING_SECRET.search(p)]
     if problems:
         raise ConfigError(problems)
     return Config(**sections)
@@ -416,8 +311,7 @@ def _across(sections: Mapping[str, Any]) -> list[str]:
         var = sections["infrai"].token_env
         why = "queue.backend = 'infrai'" if sections["queue"].backend == "infrai" \
             else "infrai.tick_queue"
-        out.append(f"infrai.token_env: ${var} (or ${var}_FILE) is not set; "
-                   f"{why} needs the project key")
+        out.append(missing_secret("infrai.token_env", var, f"{why} needs the project key"))
     if sections["queue"].backend == "postgres" and sections["ledger"].backend != "postgres":
         out.append("queue.backend = 'postgres' needs ledger.backend = 'postgres' (the queue "
                    "is a table in the ledger's database: outcome and ack commit together)")
@@ -511,26 +405,12 @@ def _build(section: str, cls: type[Any], table: dict[str, Any],
             continue
         var = kwargs.get(f.name, f.default)
         if var:
-            secret, problem = _read_secret(f"{section}.{f.name}", str(var), env)
+            secret, problem = read_secret(f"{section}.{f.name}", str(var), env)
             if problem:
                 problems.append(problem)
                 bad_keys.add(f.name)
             kwargs[f.name[:-4]] = secret
     return cls(**kwargs), problems, bad_keys
-
-
-def _read_secret(key: str, var: str, env: Mapping[str, str]) -> tuple[Secret | None, str]:
-    if var in env:
-        value = env[var].strip()
-        return (Secret(value), "") if value else (None, f"{key}: ${var} is empty")
-    file_var = f"{var}_FILE"
-    if file_var in env:
-        try:
-            value = Path(env[file_var]).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            return None, f"{key}: ${file_var} cannot be read: {exc.strerror}"
-        return (Secret(value), "") if value else (None, f"{key}: ${file_var} is empty")
-    return None, ""
 
 
 def _convert_tables(key: str, cls: type[Any], value: Any) -> tuple[Any, str]:

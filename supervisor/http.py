@@ -7,11 +7,9 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import orjson
 from aiohttp import web
 from prometheus_async.aio.web import server_stats
 
@@ -19,21 +17,20 @@ from supervisor import exclusions, metrics
 
 # Scope, authorize and requires are also for route modules beside this one (the budget
 # API): one scope check for every route.
-from supervisor.apiauth import Refused, Role, host_middleware, install
+from supervisor.apiauth import Role, host_middleware, install
 from supervisor.apiauth import Scope as Scope
 from supervisor.apiauth import authorize as authorize
 from supervisor.apiauth import requires as requires
-from supervisor.budget.base import RateBudget
+from supervisor.apistate import API, ApiError, error_middleware, error_response, json_body, json_response
+from supervisor.apistate import ApiState as ApiState
 from supervisor.budget_api import add_budget_routes
-from supervisor.config import Config
-from supervisor.errors import IllegalTransition, StorageError
-from supervisor.ledger.base import Ledger
-from supervisor.model import LedgerStats, Operation, Run
+from supervisor.errors import IllegalTransition
+from supervisor.model import Operation, Run
 from supervisor.openapi import PRINTABLE, TICK_KEY, document_for
-from supervisor.push import PushReceiver, PushRejected, answer_body, parse_delivery, verify
-from supervisor.readcaps import RETRY_AFTER_S, CapReached, ReadCap, holder_of
-from supervisor.reconcile import RESOLUTIONS, Reconciler
-from supervisor.runs import RunOpener, RunWatch, Tick
+from supervisor.push import PushRejected, answer_body, parse_delivery, verify
+from supervisor.readcaps import RETRY_AFTER_S, CapReached, holder_of
+from supervisor.reconcile import RESOLUTIONS
+from supervisor.runs import Tick
 from supervisor.sources import check_recipient_id
 from supervisor.states import SETTLED, OpState, RunState
 from supervisor.status import add_status_routes
@@ -46,95 +43,6 @@ MAX_PAGE = 1000
 CURSOR = re.compile(r"[A-Za-z0-9_-]{0,200}")
 MAX_WAIT_S = 60.0
 MAX_INLINE_IDS = 10_000
-
-
-@dataclass
-class ApiState:
-    """What the handlers need from the service. ``accepting`` turns False at shutdown."""
-
-    config: Config
-    ledger: Ledger
-    opener: RunOpener
-    reconciler: Reconciler
-    ready: Callable[[], tuple[bool, dict[str, bool]]]
-    runs_changed: RunWatch
-    current_rate: Callable[[], float]
-    # When n more requests will have been sent (the budget's view: rate, a pause in force,
-    # quotas); None: n / current_rate.
-    projected_finish: Callable[[int, float], float] | None = None
-    # The monitor's last count of the ledger (None before its first): what the status
-    # page shows, rather than a second count of the same rows every second.
-    ledger_stats: Callable[[], LedgerStats | None] = lambda: None
-    accepting: bool = True
-    # Push delivery (POST /v1/push/{queue}); None: not configured, the route answers 404.
-    push: PushReceiver | None = None
-    # The rate budget, for GET /v1/budget and its resume (supervisor/budget_api.py).
-    budget: RateBudget | None = None
-    long_polls: ReadCap = field(init=False)
-    exclusion_reads: ReadCap = field(init=False)
-    # One exclusions page read at a time (supervisor/exclusions.py batches).
-    exclusion_pages: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def __post_init__(self) -> None:
-        s = self.config.api
-        self.long_polls = ReadCap("long_poll", s.max_long_polls, s.max_long_polls_per_token)
-        self.exclusion_reads = ReadCap("exclusions", s.max_exclusion_reads,
-                                       s.max_exclusion_reads_per_token)
-
-
-API = web.AppKey("api", ApiState)
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
-
-
-def _error(status: int, message: str, **extra: Any) -> web.Response:
-    return _json({"error": message, **extra}, status)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-@web.middleware
-async def error_middleware(request: web.Request,
-                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-                           ) -> web.StreamResponse:
-    """Every error is JSON with a clear message; never a traceback to a client."""
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return _error(exc.status, exc.message)
-    except Refused as exc:
-        response = _error(exc.status, exc.message)
-        response.headers.update(exc.headers)
-        return response
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[API].config.service.max_body_bytes
-        return _error(413, f"request body larger than {limit} bytes")
-    except web.HTTPMethodNotAllowed as exc:
-        response = _error(405, f"{request.method} not allowed here")
-        response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
-        return response
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _error(exc.status, exc.reason)
-    except StorageError as exc:
-        # The ledger is away (a restart of PostgreSQL, a full disk): the client did nothing
-        # wrong and may ask again; the ledger reported the fault once already.
-        log.debug("ledger unavailable for %s %r: %s", request.method, request.path, exc)
-        response = _error(503, "the ledger is unavailable; try again shortly")
-        response.headers["Retry-After"] = "5"
-        return response
-    except Exception:
-        # %r: a decoded %0A in the path must not start a forged log line.
-        log.exception("unhandled error in %s %r", request.method, request.path)
-        return _error(500, "internal error; see the service log")
 
 
 def _authorize(request: web.Request, read_only: bool = False) -> Role:
@@ -174,25 +82,9 @@ def op_view(op: Operation) -> dict[str, Any]:
             "created_at": op.created_at, "updated_at": op.updated_at}
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object; an empty body is an empty object."""
-    body = await request.read()
-    if not body.strip():
-        return {}
-    if request.content_type != "application/json":
-        raise ApiError(415, "body must be application/json")
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ApiError(400, "body must be a JSON object")
-    return doc
-
-
 async def _tick_from(request: web.Request) -> Tick:
     config = request.app[API].config
-    doc = await _json_body(request)
+    doc = await json_body(request)
     unknown = set(doc) - {"schedule", "scheduled_for", "recipient_ids"}
     if unknown:
         raise ApiError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
@@ -246,11 +138,11 @@ async def post_run(request: web.Request) -> web.Response:
     result = await api.opener.open(tick)
     if result.run is None:
         assert result.skipped_for is not None
-        return _error(409, "a run is unfinished; tick skipped (schedule.overlap = 'skip')",
+        return error_response(409, "a run is unfinished; tick skipped (schedule.overlap = 'skip')",
                       active_run=result.skipped_for.id)
     run = result.run
     # Kept small: a cron provider may store only the first few KB of the answer.
-    return _json({"created": result.created, "run": {"id": run.id, "state": run.state.value,
+    return json_response({"created": result.created, "run": {"id": run.id, "state": run.state.value,
                                                       "tick_key": run.tick_key}},
                  201 if result.created else 200)
 
@@ -273,7 +165,7 @@ async def list_runs(request: web.Request) -> web.Response:
     api = request.app[API]
     limit = _int_param(request, "limit", 20, 1, 200)
     runs = await api.ledger.list_runs(limit, request.query.get("before"))
-    return _json({"runs": [run_view(r) for r in runs]})
+    return json_response({"runs": [run_view(r) for r in runs]})
 
 
 def _done(run: Run) -> bool:
@@ -282,7 +174,7 @@ def _done(run: Run) -> bool:
 
 def _busy(exc: CapReached) -> web.Response:
     """A read refused at its cap: 429, and when to ask again."""
-    response = _error(429, str(exc))
+    response = error_response(429, str(exc))
     response.headers["Retry-After"] = str(RETRY_AFTER_S)
     return response
 
@@ -329,10 +221,10 @@ async def get_run(request: web.Request) -> web.Response:
     if wait == "done" and not _done(run) and not api.accepting:
         # A wait this process can no longer honour: said so, with when to ask again (of
         # another replica, or of the next life), so a looping client does not spin.
-        response = _error(503, "shutting down; ask again", run=view)
+        response = error_response(503, "shutting down; ask again", run=view)
         response.headers["Retry-After"] = "5"
         return response
-    return _json(view)
+    return json_response(view)
 
 
 async def list_operations(request: web.Request) -> web.Response:
@@ -346,7 +238,7 @@ async def list_operations(request: web.Request) -> web.Response:
     after = _cursor_param(request)
     rows = await api.ledger.list_operations(run_id, state, after, limit)
     next_after = rows[-1].id if len(rows) == limit else None
-    return _json({"operations": [op_view(op) for op in rows], "next_after": next_after})
+    return json_response({"operations": [op_view(op) for op in rows], "next_after": next_after})
 
 
 async def get_operation(request: web.Request) -> web.Response:
@@ -366,7 +258,7 @@ async def get_operation(request: web.Request) -> web.Response:
          "status": a.status, "outcome": a.outcome, "detail": a.detail}
         for a in attempts[:limit]]
     view["attempts_next"] = str(after + limit) if len(attempts) > limit else None
-    return _json(view)
+    return json_response(view)
 
 
 def _state_param(request: web.Request) -> OpState | None:
@@ -390,7 +282,7 @@ async def list_all_operations(request: web.Request) -> web.Response:
     after = _cursor_param(request)
     rows = await request.app[API].ledger.operations_in_state(state, after, limit)
     next_after = rows[-1].id if len(rows) == limit else None
-    return _json({"operations": [op_view(op) for op in rows], "next_after": next_after})
+    return json_response({"operations": [op_view(op) for op in rows], "next_after": next_after})
 
 
 def _cursor_param(request: web.Request) -> str | None:
@@ -407,7 +299,7 @@ async def resolve_operation(request: web.Request) -> web.Response:
     """An operator's decision on an ambiguous operation, with who decided and why."""
     authorize(request, Scope.OPERATE)
     api = request.app[API]
-    doc = await _json_body(request)
+    doc = await json_body(request)
     unknown = set(doc) - {"outcome", "by", "reason"}
     if unknown:
         raise ApiError(400, f"unknown field(s): {', '.join(sorted(unknown))}")
@@ -430,7 +322,7 @@ async def resolve_operation(request: web.Request) -> web.Response:
         target = await api.reconciler.resolve(op, outcome, by, why)
     except IllegalTransition:
         raise ApiError(409, f"operation {op_id} changed meanwhile; read it again") from None
-    return _json({"id": op_id, "state": target.value})
+    return json_response({"id": op_id, "state": target.value})
 
 
 async def get_exclusions(request: web.Request) -> web.StreamResponse:
@@ -476,7 +368,7 @@ async def _exclusions(request: web.Request, schedule: str, jsonl: bool, limit: i
                                        api.exclusion_pages)
     rows, next_after = await exclusions.page(api.ledger, runs, after, limit,
                                              api.exclusion_pages)
-    return _json({"schedule": schedule,
+    return json_response({"schedule": schedule,
                   "runs": [exclusions.run_header(run, cutoff) for run in runs],
                   "exclusions": [exclusions.record(op) for op in rows],
                   "next_after": next_after})
@@ -503,24 +395,24 @@ async def post_push(request: web.Request) -> web.Response:
     if not api.accepting or not api.ledger.healthy:
         metrics.PUSH_DELIVERIES.labels("unavailable").inc()
         why = "shutting down" if not api.accepting else "ledger cannot commit"
-        response = _error(503, f"{why}; deliver again later")
+        response = error_response(503, f"{why}; deliver again later")
         response.headers["Retry-After"] = "5"
         return response
     outcome = await receiver.deliver(handler, delivery, proof, time.time())
     metrics.PUSH_DELIVERIES.labels(outcome.result).inc()
-    response = _json(answer_body(outcome, delivery), outcome.status)
+    response = json_response(answer_body(outcome, delivery), outcome.status)
     if outcome.retry_after is not None:
         response.headers["Retry-After"] = outcome.retry_after
     return response
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return _json({"ok": True})
+    return json_response({"ok": True})
 
 
 async def readyz(request: web.Request) -> web.Response:
     ok, checks = request.app[API].ready()
-    return _json({"ready": ok, "checks": checks}, 200 if ok else 503)
+    return json_response({"ready": ok, "checks": checks}, 200 if ok else 503)
 
 
 async def metrics_handler(request: web.Request) -> web.StreamResponse:
@@ -531,7 +423,7 @@ async def metrics_handler(request: web.Request) -> web.StreamResponse:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return _json(document_for(request.app[API].config.source.kind))
+    return json_response(document_for(request.app[API].config.source.kind))
 
 
 def create_app(state: ApiState) -> web.Application:

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from prometheus_client import Counter, Gauge, Histogram
-
-if TYPE_CHECKING:
-    from supervisor.budget.base import Snapshot
 
 QUEUE_OLDEST_AGE = Gauge(
     "cleanup_queue_oldest_message_age_seconds",
@@ -132,33 +127,6 @@ ROLE_HELD = Gauge("cleanup_role_held", "1 while this process holds a singleton r
 REPLICAS_REAPED = Counter(
     "cleanup_replicas_reaped", "Replicas this one found dead and released the work of.")
 LIVE_REPLICAS = Gauge("cleanup_replicas_live", "Replicas heartbeating in the registry.")
-
-
-# The policies that have a quota series now: one no longer in the budget's snapshot (a
-# partner-named policy evicted, or whose reset passed) loses its series, so the labels
-# stay as bounded as the budget's own memory of them (review L4).
-_quota_series: set[str] = set()
-
-
-def publish_budget(snapshot: Snapshot) -> None:
-    """The rate budget's gauges, from one snapshot (the monitor calls this every second)."""
-    state = snapshot.state
-    LIMITER_RATE.set(state.rate)
-    LIMITER_CEILING.set(snapshot.ceiling)
-    LIMITER_PAUSED_UNTIL.set(state.paused_until)
-    LIMITER_LEARNT.set(state.w_max or 0.0)
-    LIMITER_ANNOUNCED.set(state.announced or 0.0)
-    LIMITER_CONCURRENCY.set(snapshot.concurrency_limit)
-    LIMITER_CONCURRENCY_BOUND.set(1 if snapshot.concurrency_bound else 0)
-    for quota in snapshot.quotas:
-        LIMITER_QUOTA_REMAINING.labels(quota.name).set(quota.remaining)
-        LIMITER_QUOTA_RESET.labels(quota.name).set(quota.resets_at)
-    names = {quota.name for quota in snapshot.quotas}
-    for gone in _quota_series - names:
-        LIMITER_QUOTA_REMAINING.remove(gone)
-        LIMITER_QUOTA_RESET.remove(gone)
-    _quota_series.intersection_update(names)
-    _quota_series.update(names)
 
 
 def count_settled(target: str) -> None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from supervisor import metrics
+from supervisor.budget import gauges
 from supervisor.budget.base import RateBudget
 from supervisor.errors import StorageError
 from supervisor.exclusions import count_by_reason
@@ -122,7 +123,7 @@ class Monitor:
 
     async def refresh(self) -> None:
         budget = self.budget.snapshot()
-        metrics.publish_budget(budget)
+        gauges.publish_budget(budget)
         self._count_paused(budget.state.paused_until)
         metrics.LEDGER_HEALTHY.set(1 if self.ledger.healthy else 0)
         self.readiness()

@@ -7,7 +7,6 @@ safe; a timeout or reset after it left may have acted, so the outcome is unknown
 
 from __future__ import annotations
 
-import email.utils
 import enum
 import logging
 import math
@@ -23,13 +22,12 @@ from yarl import URL
 from supervisor import metrics
 from supervisor.budget.base import Policy
 from supervisor.config import PartnerConfig
+from supervisor.httputil import Ignored, parse_retry_after, report_ignored
 from supervisor.timestamps import epoch_seconds
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
-# RFC 9110 delay-seconds is 1*DIGIT; a decimal fraction is tolerated, nothing else.
-_DELAY_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
 
 
 class Verdict(enum.Enum):
@@ -55,42 +53,6 @@ class Presence(enum.Enum):
     PRESENT = "present"
     ABSENT = "absent"
     UNKNOWN = "unknown"
-
-
-# Ignored header values are reported here: (header, why). The partner client counts and
-# logs them; other callers (Infrai's client, the sinks) need not.
-Ignored = Callable[[str, str], None]
-
-
-def _ignore(on_ignored: Ignored | None, header: str, why: str) -> None:
-    if on_ignored is not None:
-        on_ignored(header, why)
-
-
-def parse_retry_after(value: str | None, now: float, maximum: float,
-                      on_ignored: Ignored | None = None) -> float | None:
-    """Seconds to wait from a Retry-After (delay-seconds or HTTP-date, RFC 9110 §10.2.3).
-
-    None when absent or unparseable (reported to ``on_ignored``); clamped to [0, maximum].
-    """
-    if value is None:
-        return None
-    value = value.strip()
-    if _DELAY_SECONDS.fullmatch(value):
-        seconds = float(value)
-    else:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            when = None
-        if when is None or when.tzinfo is None:  # RFC 9110 dates are GMT
-            _ignore(on_ignored, "Retry-After", "neither delay-seconds nor an HTTP-date")
-            return None
-        seconds = when.timestamp() - now
-    if not math.isfinite(seconds):
-        _ignore(on_ignored, "Retry-After", "not a finite number")
-        return None
-    return min(max(seconds, 0.0), maximum)
 
 
 # Past this a value is a Unix time (2001, in seconds or milliseconds: timestamps.py), not
@@ -134,13 +96,13 @@ def _number(value: str | None, header: str = "",
     try:
         number = float(value)
     except ValueError:
-        _ignore(on_ignored, header, "not a number")
+        report_ignored(on_ignored, header, "not a number")
         return None
     if not math.isfinite(number):
-        _ignore(on_ignored, header, "not a finite number")
+        report_ignored(on_ignored, header, "not a finite number")
         return None
     if number < 0:
-        _ignore(on_ignored, header, "negative")
+        report_ignored(on_ignored, header, "negative")
         return None
     return number
 

@@ -23,7 +23,6 @@ from supervisor.errors import SourceError
 from supervisor.schedule import next_slot
 from supervisor.sources import CandidateSource, FileSource, HttpSource
 
-DEFAULT_CRON_CEILING_S = 900.0
 # Cron alone is "fits" only with this share of the ceiling to spare: a retry, a 429 pause
 # or a slow page eats into it, and the provider kills the invocation at the ceiling.
 CRON_MARGIN = 0.5

@@ -2,9 +2,9 @@
 
 A delivery is verified (an HMAC-SHA256 of the raw body with the subscription's secret),
 read as one message, and worked by the same consumer code as a pulled one
-(:meth:`supervisor.consumer.ConsumerPool.handle_pushed`) on a pool whose transport is a
-:class:`PushedQueue`: its ack and its "publish again later" only note on the delivery
-what the HTTP answer must say, because the answer *is* the ack. A 2xx deletes the message
+(:meth:`supervisor.consumer.ConsumerPool.deliver`, through :class:`PushEntry`) on a pool
+whose transport is a :class:`PushedQueue`: its ack and its "publish again later" only
+note on the delivery what the HTTP answer must say, because the answer *is* the ack. A 2xx deletes the message
 at Infrai, so it is sent only after the ledger committed the outcome; a retry wait is a
 non-2xx with ``Retry-After`` (the delivery is the message: Infrai redelivers it).
 
@@ -23,9 +23,11 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import logging
 import math
 import re
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,11 +36,14 @@ from typing import Any, Literal, Protocol
 import orjson
 
 from supervisor import metrics
+from supervisor.budget.base import RateBudget
 from supervisor.configtypes import Secret
-from supervisor.errors import QueueError
+from supervisor.errors import QueueError, StorageError
 from supervisor.model import Delivery, Message, QueueStats
 from supervisor.queue.base import MAX_DELAY_S, Capabilities, Unsupported
 from supervisor.timestamps import epoch_seconds
+
+log = logging.getLogger(__name__)
 
 # "timestamp.body": HMAC over "<timestamp>." + body, the timestamp header required (a
 # replay outside the tolerance fails); "body": HMAC over the raw body alone.
@@ -206,6 +211,72 @@ class PushHandler(Protocol):
     async def handle_pushed(self, delivery: Delivery) -> PushOutcome: ...
 
 
+class Consumer(Protocol):
+    """What a pushed delivery needs of the pool that works it
+    (:class:`supervisor.consumer.ConsumerPool`)."""
+
+    budget: RateBudget
+
+    @property
+    def stopping(self) -> bool: ...
+
+    @property
+    def waiting(self) -> int:
+        """The pool's deliveries held and not yet sent."""
+
+    @property
+    def busy_s(self) -> float:
+        """How long an attempt holds its operation."""
+
+    @property
+    def storage_healthy(self) -> bool:
+        """False once the ledger has reported a failed commit itself."""
+
+    async def deliver(self, delivery: Delivery, lease_s: float) -> None:
+        """Note its receive, decide, attempt and settle, as a pulled delivery is."""
+
+
+class PushEntry:
+    """One subscribed queue's deliveries into ``pool``, whose transport is ``queue``: a
+    pulled message's bookkeeping, decision and attempt, answered instead of acked (2xx
+    only once the outcome is committed). While the limiter holds, or no token is likely
+    within ``max_wait_s``, nothing is counted or sent."""
+
+    def __init__(self, pool: Consumer, queue: PushedQueue) -> None:
+        self.pool = pool
+        self.queue = queue
+
+    async def handle_pushed(self, delivery: Delivery) -> PushOutcome:
+        pool, queue = self.pool, self.queue
+        if pool.stopping:
+            return PushOutcome(503, "shutting down", 1.0, "unavailable")
+        snap = pool.budget.snapshot()
+        hold = snap.held_for(time.time())
+        # Ahead of it: this pool's deliveries not yet sent, or every request holding a
+        # slot of the budget (other pools' too), whichever is more.
+        ahead = max(pool.waiting, snap.in_flight)
+        wait = hold or ahead / max(snap.rate, 1e-9)
+        if hold > 0 or wait > queue.max_wait_s:
+            why = "the partner's limit holds every request" if hold else \
+                f"no token within {queue.max_wait_s:g} s"
+            return PushOutcome(429, why, wait, "held")
+        try:
+            with queue.track(delivery) as record:
+                await pool.deliver(delivery, queue.lease_s)
+        except (StorageError, QueueError) as exc:
+            log.log(logging.WARNING if pool.storage_healthy else logging.DEBUG,
+                    "could not record pushed operation %s: %s", delivery.message.operation_id,
+                    exc)
+            return PushOutcome(503, "outcome not recorded (ledger fault)", 5.0, "unavailable")
+        if record.retry_after_s is not None:
+            held = pool.budget.snapshot().held_for(time.time()) > 0
+            return PushOutcome(429 if held else 503, "retry wait: deliver again later",
+                               record.retry_after_s, "retry")
+        if not record.acked:  # another delivery of the operation has its attempt
+            return PushOutcome(503, "the operation is in flight", pool.busy_s, "busy")
+        return PushOutcome(200, "acked: the outcome is committed")
+
+
 @dataclass(slots=True)
 class _Seen:
     expires: float
@@ -329,8 +400,10 @@ class PushedQueue:
                  max_delay_s: float = MAX_DELAY_S) -> None:
         self.lease_s = lease_s  # the visibility timeout of one delivery
         self.max_wait_s = max_wait_s  # the longest a delivery may wait for the limiter
+        # Nothing is received, so nothing is billed or prefetched.
         self._capabilities = Capabilities(transactional_ack=False, extend=False, nack=False,
-                                          stats=False, max_delay_s=max_delay_s, pull=False)
+                                          stats=False, max_delay_s=max_delay_s, pull=False,
+                                          billed=False, default_prefetch=0)
         self._open: dict[str, PushRecord] = {}
 
     @property

@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 
 from supervisor import metrics
-from supervisor.config import QueueConfig
 from supervisor.ledger.base import Ledger
 from supervisor.queue.base import Queue
 from supervisor.queue.courier import Courier
+from supervisor.queue.settings import QueueConfig
 
 log = logging.getLogger(__name__)
 

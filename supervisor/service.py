@@ -1,23 +1,22 @@
-"""The supervisor: builds the components, runs them under one TaskGroup, restarts the ones
-that crash, reports readiness, and drains in a fixed order on a signal."""
+"""The supervisor: hosts what the composition root (supervisor/composition.py) built,
+serves HTTP, runs the components under one TaskGroup, restarts the ones that crash, and on
+a signal drains them in the order they declared, then closes what start-up opened."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 from aiohttp import web
 
 from supervisor import metrics
-from supervisor.backends import Backends, open_backends
+from supervisor.composition import Assembly, assemble
 from supervisor.config import Config
 from supervisor.consumer import ConsumerPool
 from supervisor.errors import (
@@ -27,24 +26,11 @@ from supervisor.errors import (
     StorageError,
     TooManyCrashes,
 )
-from supervisor.events.relay import EventRelay
-from supervisor.http import ApiState, create_app
-from supervisor.infrai.push import push_settings
-from supervisor.monitor import Monitor
-from supervisor.partner import PartnerClient
-from supervisor.push import PushedQueue, PushReceiver
-from supervisor.queue.base import Queue
-from supervisor.queue.infrai import InfraiQueue
-from supervisor.reconcile import Reconciler
-from supervisor.redrive import Redriver
-from supervisor.runs import RunOpener, RunWatch
-from supervisor.scan import Publisher, Scanner
-from supervisor.schedule import Scheduler
-from supervisor.ticks import TickPuller
+from supervisor.http import create_app
+from supervisor.lifecycle import Factory, Resources, drain
 
 log = logging.getLogger(__name__)
 
-Factory = Callable[[], Coroutine[Any, Any, None]]
 # Each write after the drain (closing runs, the budget's memory) gets this long.
 FINAL_WRITE_S = 3.0
 # Closing everything after those writes (HTTP, partner, sinks, queue, ledger) gets this long.
@@ -62,10 +48,13 @@ class Service:
     """One process: HTTP, schedule, scan, outbox, consumer pool, monitor.
 
     :meth:`run` returns the process exit code once the service has drained. Call
-    :meth:`request_stop` (signal handlers do) to begin the drain.
+    :meth:`request_stop` (signal handlers do) to begin the drain. Like uvicorn's
+    ``Server``, a run is :meth:`startup`, :meth:`main_loop` and :meth:`shutdown`, over
+    one :class:`~supervisor.lifecycle.Resources` (an ``AsyncExitStack``): whatever
+    start-up opened is closed in reverse, however far it got.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, resources: Resources | None = None) -> None:
         self.config = config
         # Events bind no loop until awaited (3.10+): safe to create here.
         self.stop_requested = asyncio.Event()
@@ -73,9 +62,10 @@ class Service:
         self.fatal: BaseException | None = None
         self.url: str | None = None
         self.pool: ConsumerPool | None = None
+        self.resources = resources or Resources()
         self._restarts: dict[str, deque[float]] = {}
         self._stopping = False
-        self._backends: Backends | None = None
+        self._storage_healthy: Callable[[], bool] = lambda: True
 
     def request_stop(self) -> None:
         self.stop_requested.set()
@@ -83,160 +73,78 @@ class Service:
     async def run(self) -> int:
         """Start everything, serve until a stop is requested, drain, return the exit code.
 
-        Raises StartupError when a component cannot start (port taken, data dir locked).
+        Raises StartupError when a component cannot start (port taken, data dir locked),
+        having closed what had opened.
         """
+        try:
+            a = await self.startup()
+            started_at = time.monotonic()
+            await self.main_loop(a)
+            await self._final_writes(a)
+        finally:
+            await self.shutdown()
+        log.info("stopped after %.1fs: %d operations settled, %d workers, %d cut off at the "
+                 "grace limit", time.monotonic() - started_at, a.pool.settled,
+                 a.drained.get("workers", 0), a.drained.get("cut_off", 0),
+                 extra={"action": "stopped"})
+        return 1 if self.fatal is not None else 0
+
+    async def startup(self) -> Assembly:
         c = self.config
-        backends = self._backends = await open_backends(c)
-        ledger, queue, budget, roles = (backends.ledger, backends.queue, backends.budget,
-                                        backends.roles)
-        partner = PartnerClient(c.partner, c.limits.concurrency)
-        await partner.start()
-        runs_changed = RunWatch()
-        scan_wakeup = backends.wakeups["runs"]
-        publish_wakeup = backends.wakeups["outbox"]
-        monitor = Monitor(ledger, queue, budget, runs_changed, c.schedule.digest_cutoff_seconds,
-                          finishes=lambda: roles.holds("monitor"),
-                          settled=backends.wakeups["finished"],
-                          finish_every_s=backends.finish_every_s,
-                          readiness=lambda: ready())  # below: it reads the pool
-        scanner = Scanner(c, ledger, scan_wakeup, publish_wakeup)
-        publisher = Publisher(ledger, queue, publish_wakeup)
-        opener = RunOpener(c, ledger, scan_wakeup)
-        reconciler = Reconciler(c.partner, ledger, queue, budget, partner)
-        relay = EventRelay(c.events, c.infrai, ledger)
+        a = await assemble(c, self.resources)
+        self.pool = a.pool
+        self._storage_healthy = a.storage.storage_healthy
+        await self._listen(a)
+        log.info("listening on %s; %s; queue %s; %d workers at <= %g/s; %d leases "
+                 "handed back", self.url, a.storage.describe, c.queue.backend,
+                 c.limits.concurrency, c.limits.rate_per_second, a.storage.released,
+                 extra={"action": "started"})
+        return a
 
-        def settled() -> None:
-            monitor.settled.set()
-            relay.notify()  # the events just written go out now, not at the next poll
-
-        # Pushed: the pool works what Infrai POSTs to /v1/push/{queue}, answering instead
-        # of acking; its fetcher finds nothing to pull. Everything else publishes to Infrai.
-        pushed = push_settings(c.infrai) if c.infrai.delivery == "push" else None
-        pool_queue: Queue = (queue if pushed is None else
-                             PushedQueue(pushed.visibility_timeout_s, pushed.max_wait_s))
-        pool = self.pool = ConsumerPool(c, ledger, pool_queue, budget, partner,
-                                        on_settled=settled)
-        push = None if pushed is None else PushReceiver(pushed, {c.infrai.queue: pool})
-        redriver = Redriver(c.queue, ledger, queue, horizon=pool.redrive_horizon)
-
-        def ready() -> tuple[bool, dict[str, bool]]:
-            checks = {"ledger": backends.storage_healthy(), "queue": queue.healthy,
-                      "workers": pool.running, "accepting": api.accepting}
-            ok = all(checks.values())
-            metrics.READY.set(1 if ok else 0)
-            return ok, checks
-
-        api = ApiState(config=c, ledger=ledger, opener=opener, reconciler=reconciler, ready=ready,
-                       runs_changed=runs_changed, current_rate=lambda: budget.snapshot().rate,
-                       projected_finish=lambda n, now: budget.snapshot().projected_finish(n, now),
-                       ledger_stats=lambda: monitor.last_stats,
-                       push=push, budget=budget)
+    async def _listen(self, a: Assembly) -> None:
+        c = self.config
         # Every handler is answered by the time the runner is cleaned up (long-polls end at
         # the drain's start); the bound is for one that is not (a client reading slowly).
-        runner = web.AppRunner(create_app(api), access_log=None, handle_signals=False,
+        runner = web.AppRunner(create_app(a.api), access_log=None, handle_signals=False,
                                shutdown_timeout=FINAL_WRITE_S)
-        await runner.setup()
+        await self.resources.open("http", runner.setup)
+        self.resources.closes("http", runner.cleanup)  # once set up: it cleans the app
+        site = web.TCPSite(runner, c.service.host, c.service.port)
         try:
-            site = web.TCPSite(runner, c.service.host, c.service.port)
-            await site.start()
+            await self.resources.open("listen", site.start)
         except OSError as exc:
-            await runner.cleanup()
-            await partner.close()
-            await backends.close()
             raise StartupError(f"cannot listen on {c.service.listen}: {exc.strerror}") from exc
-        sockets = runner.addresses
-        host, port = sockets[0][0], sockets[0][1]
+        host, port = runner.addresses[0][0], runner.addresses[0][1]
         self.url = f"http://{host}:{port}"
-        log.info("listening on %s; %s; queue %s; %d workers at <= %g/s; %d leases "
-                 "handed back", self.url, backends.describe, c.queue.backend,
-                 c.limits.concurrency, c.limits.rate_per_second, backends.released,
-                 extra={"action": "started"})
 
-        def singleton(name: str, factory: Factory) -> Factory:
-            # With replicas, one of them at a time runs it; alone, this process does.
-            return lambda: roles.run(name, factory)
-
-        components: list[tuple[str, Factory]] = [
-            ("monitor", monitor.run),
-            ("finisher", singleton("monitor", _forever)),
-            ("publisher", singleton("publisher", publisher.run)),
-            ("scan", singleton("scan", scanner.run)),
-            ("consumers", pool.run),
-            ("redrive", singleton("redrive", redriver.run)),
-        ]
-        components += backends.components
-        if backends.membership is not None:
-            components.append(("heartbeat", backends.membership.run))
-        # One component per events sink (a sink that is down delays only itself) and one
-        # for their lag gauges and the outbox's retention.
-        await relay.start()
-        components += [(name, singleton(name, factory)) for name, factory in relay.components()]
-        if c.partner.probe_path:
-            components.append(("reconcile", singleton("reconcile", reconciler.run)))
-        if c.schedule.cron is not None and c.schedule.clock == "embedded":
-            components.append(("schedule", Scheduler(c.schedule, opener).run))
-        tick_queue: InfraiQueue | None = None
-        if c.infrai.tick_queue:
-            tick_queue = InfraiQueue(dataclasses.replace(
-                c.infrai, queue=c.infrai.tick_queue, dead_letter_queue=""))
-            await tick_queue.start()
-            components.append(("ticks", TickPuller(tick_queue, opener, c.schedule.name,
-                                                   c.infrai.tick_poll_seconds).run))
-        intake = {"publisher", "scan", "schedule", "redrive", "reconcile", "ticks"}
-        summary: dict[str, int] = {}
-        started_at = time.monotonic()
+    async def main_loop(self, a: Assembly) -> None:
+        """Supervise every component until a stop is requested, then drain them group by
+        group, in the order each component declared (supervisor/lifecycle.py)."""
         async with asyncio.TaskGroup() as tg:
-            tasks = {name: tg.create_task(self._supervise(name, factory), name=name)
-                     for name, factory in components}
+            tasks = {x.name: tg.create_task(self._supervise(x.name, x.run), name=x.name)
+                     for x in a.components if x.run is not None}
             self.started.set()
             await self.stop_requested.wait()
             self._stopping = True
+            c = self.config
             log.info("stopping: triggers refused, intake stopped, draining %d workers "
                      "(grace %gs)", c.limits.concurrency, c.service.shutdown_grace_seconds,
                      extra={"action": "stopping"})
-            # 1. stop intake: no new runs, no scanning, no publishing
-            api.accepting = False
-            runs_changed.notify()  # long-polls answer now, not at their timeout
-            for name in intake & tasks.keys():
-                tasks[name].cancel()
-            # 2. let requests in the air finish within the grace; hand back every lease
-            summary = await pool.stop(c.service.shutdown_grace_seconds)
-            tasks["consumers"].cancel()
-            # 3. the monitor last, after a final pass so closed runs are recorded
-            for name in ("monitor", "finisher", "heartbeat", *(n for n, _ in backends.components)):
-                if name in tasks:
-                    tasks[name].cancel()
-            for name in relay.names:  # undelivered events wait in the outbox for the next life
-                tasks[name].cancel()
+            await drain(a.components, tasks)
+
+    async def _final_writes(self, a: Assembly) -> None:
         # Bounded: a database that does not answer must not hold the process past the
         # runtime's stop timeout (what is not written here, the next life finds).
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(FINAL_WRITE_S):
-                await ledger.finish_runs()
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(FINAL_WRITE_S):
-                await budget.save()  # a pause in force, a limit learnt: the next life starts there
-        # 4. close outward connections, then the ledger (it flushes pending writes), all
-        # within one bound: what is not closed by then, the process's exit closes (and the
-        # next life finds what was not written).
-        try:
-            async with asyncio.timeout(CLOSE_TOTAL_S):
-                await runner.cleanup()
-                await partner.close()
-                await relay.close()
-                if tick_queue is not None:
-                    await tick_queue.close()
-                await backends.close()
-        except TimeoutError:
-            log.warning("closing took over %gs; exiting with the rest unclosed", CLOSE_TOTAL_S,
-                        extra={"action": "close_timeout"})
-        log.info("stopped after %.1fs: %d operations settled, %d workers, %d cut off at the "
-                 "grace limit", time.monotonic() - started_at, pool.settled,
-                 summary.get("workers", 0), summary.get("cut_off", 0),
-                 extra={"action": "stopped"})
-        if self.fatal is not None:
-            return 1
-        return 0
+        for write in a.final_writes:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(FINAL_WRITE_S):
+                    await write()
+
+    async def shutdown(self) -> None:
+        """Close what start-up opened, in reverse (HTTP, ticks, sinks, partner, budget,
+        queue, the ledger last: it flushes pending writes), all within one bound: what is
+        not closed by then, the process's exit closes."""
+        await self.resources.aclose(within=CLOSE_TOTAL_S)
 
     async def _supervise(self, name: str, factory: Factory) -> None:
         """Run a component; restart it with backoff when it crashes.
@@ -265,9 +173,7 @@ class Service:
                     return
                 # A failed commit was said once already ("ledger cannot commit"), a
                 # refusing transport too: each component waiting on it is a detail.
-                reported = (self._backends is not None
-                            and not self._backends.storage_healthy()) or \
-                    isinstance(exc, QueueBlocked)
+                reported = not self._storage_healthy() or isinstance(exc, QueueBlocked)
                 log.log(logging.DEBUG if reported else logging.WARNING,
                         "component %s paused: %s", name, exc,
                         extra={"action": "component_storage_wait"})
@@ -313,11 +219,6 @@ class RestartBackoff:
         wait = self._next
         self._next = min(self._next * 2, self.cap)
         return wait
-
-
-async def _forever() -> None:
-    """A role held for its own sake (the monitor's run finishing asks who holds it)."""
-    await asyncio.Event().wait()
 
 
 def install_signal_handlers(service: Service) -> Callable[[], None]:

@@ -1,6 +1,7 @@
 """Ticks pulled from a queue: the clock for a deployment that takes no inbound traffic.
 
-Anything may publish a tick to the Infrai tick queue (a relay Infrai's cron calls, another
+Ticks come from a :class:`TickSource` (today Infrai's tick queue,
+supervisor/infrai/tick_source.py). Anything may publish a tick to it (a relay Infrai's cron calls, another
 system, ``cleanup-supervisor trigger --via infrai``); this component takes them and opens
 runs through the same :class:`~supervisor.runs.RunOpener` as the webhook and the embedded
 cron, so a tick delivered twice, late or retried dedupes on its slot and the overlap
@@ -14,11 +15,10 @@ import asyncio
 import logging
 import re
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from supervisor import metrics
 from supervisor.errors import QueueBlocked, QueueError
-from supervisor.queue.infrai import InfraiQueue
 from supervisor.runs import RunOpener, Tick, slot_of
 from supervisor.tickrules import TICK_KEY, check_schedule, parse_slot
 
@@ -47,10 +47,25 @@ def tick_from(payload: Any, default_schedule: str) -> Tick:
     return Tick(schedule=schedule, slot=slot, key=key)
 
 
+class TickSource(Protocol):
+    """Where ticks wait. A taken tick is hidden for its lease and comes back unless acked,
+    so one whose run was not recorded is taken again."""
+
+    async def take(self, max_ticks: int, lease_s: float) -> list[tuple[str, Any]]:
+        """Up to ``max_ticks`` waiting ticks, oldest first, as (tick ID, payload as sent);
+        an empty list when none waits. Raises QueueError (QueueBlocked when refused)."""
+
+    async def ack(self, tick_id: str) -> None:
+        """Remove a taken tick for good; one already gone (acked, lease lost) is no error."""
+
+    async def put(self, payload: dict[str, Any]) -> str:
+        """Add a tick; returns its ID."""
+
+
 class TickPuller:
-    def __init__(self, queue: InfraiQueue, opener: RunOpener, default_schedule: str,
+    def __init__(self, source: TickSource, opener: RunOpener, default_schedule: str,
                  poll_s: float) -> None:
-        self.queue = queue
+        self.source = source
         self.opener = opener
         self.default_schedule = default_schedule
         self.poll_s = poll_s
@@ -72,14 +87,10 @@ class TickPuller:
 
     async def pull(self) -> int:
         """One consume; returns how many ticks it took."""
-        items = await self.queue.consume(BATCH, LEASE_S)
-        for item in items:
-            message_id = item.get("message_id") if isinstance(item, dict) else None
-            if not isinstance(message_id, str):
-                log.warning("tick queue answered an item without a message_id: %r", item)
-                continue
+        taken = await self.source.take(BATCH, LEASE_S)
+        for message_id, payload in taken:
             try:
-                tick = tick_from(item.get("payload"), self.default_schedule)
+                tick = tick_from(payload, self.default_schedule)
                 if self._superseded(tick):
                     # Missed while nothing pulled (Infrai keeps messages for days): a later
                     # slot has come since, and missed slots are not caught up one by one.
@@ -95,13 +106,13 @@ class TickPuller:
                 log.warning("tick %s dropped: %s", message_id, exc,
                             extra={"action": "tick_malformed"})
             try:
-                await self.queue.ack_id(message_id)
+                await self.source.ack(message_id)
             except QueueError as exc:
                 # Delivered again later: the slot or key dedupes it.
                 log.debug("tick %s ack failed: %s", message_id, exc)
-        return len(items)
+        return len(taken)
 
 
-async def publish_tick(queue: InfraiQueue, payload: dict[str, Any]) -> str:
+async def publish_tick(source: TickSource, payload: dict[str, Any]) -> str:
     tick_from(payload, "default")  # what the puller would refuse is refused here
-    return await queue.publish_payload(payload)
+    return await source.put(payload)

@@ -20,7 +20,8 @@ import asyncpg
 from prometheus_client.parser import text_string_to_metric_families
 
 from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
-from supervisor.config import InfraiConfig, Secret
+from supervisor.configtypes import Secret
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Message, Run, Settlement
 from supervisor.postgres import connect as pgnames
 from supervisor.queue.courier import Courier

@@ -290,10 +290,6 @@ class SandboxState:
     def is_present(self, recipient_id: str) -> bool:
         return recipient_id in self._present
 
-    @property
-    def present_count(self) -> int:
-        return len(self._present)
-
     # -- admission -----------------------------------------------------------------
 
     def begin_delete(self) -> None:

@@ -29,8 +29,8 @@ from supervisor.budget.announced import PACE_WINDOW_S, Announced
 from supervisor.budget.base import Admission, Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
 from supervisor.budget.policy import BudgetState, PolicyConfig
 from supervisor.budget.quota import RollingQuota
+from supervisor.budget.settings import LimitsConfig
 from supervisor.budget.slots import Slots
-from supervisor.config import LimitsConfig
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from supervisor.config import LimitsConfig
+from supervisor.budget.settings import LimitsConfig
 
 # W_max sits this far under the rate that was throttled: the partner let that rate through
 # for a while (its bucket), so it overstates the limit a little.

@@ -19,19 +19,17 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from supervisor import metrics
 from supervisor.events.settings import EventsConfig
-from supervisor.events.sinks import Sink, SinkError, build_sink
-from supervisor.infrai.settings import InfraiConfig
+from supervisor.events.sinks import Sink, SinkError
 from supervisor.ledger.base import EventOutbox
+from supervisor.lifecycle import Component, Drain
 from supervisor.model import Event
 
 log = logging.getLogger(__name__)
 
-Factory = Callable[[], Coroutine[Any, Any, None]]
 REFRESH_S = 1.0
 # A pass prunes at most this many batches; the rest waits for the next pass, so pruning a
 # long backlog never monopolises the ledger's writer.
@@ -127,24 +125,21 @@ class SinkWorker:
 class EventRelay:
     """Every configured sink's worker, and the housekeeping component."""
 
-    def __init__(self, config: EventsConfig, infrai: InfraiConfig, outbox: EventOutbox,
-                 sinks: Sequence[Sink] | None = None, refresh_s: float = REFRESH_S) -> None:
+    def __init__(self, config: EventsConfig, outbox: EventOutbox, sinks: Sequence[Sink],
+                 refresh_s: float = REFRESH_S) -> None:
         self.config = config
         self.outbox = outbox
         self.refresh_s = refresh_s
-        built = list(sinks) if sinks is not None else \
-            [build_sink(s, infrai) for s in config.sink]
         sizes = {s.name: s.batch_size for s in config.sink}
-        self.workers = [SinkWorker(s, outbox, config, sizes.get(s.name, 100)) for s in built]
+        self.workers = [SinkWorker(s, outbox, config, sizes.get(s.name, 100)) for s in sinks]
         self._started: list[Sink] = []
 
-    @property
-    def names(self) -> list[str]:
-        """The supervisor's component names: the housekeeping and one per sink."""
-        return [name for name, _ in self.components()]
-
-    def components(self) -> list[tuple[str, Factory]]:
-        return [("events", self.run)] + [(f"events:{w.name}", w.run) for w in self.workers]
+    def components(self) -> list[Component]:
+        """The housekeeping and one worker per sink, stopped last: undelivered events wait
+        in the outbox for the next life, but what settles during the drain goes out."""
+        return [Component("events", self.run, Drain.LAST, role="events")] + \
+            [Component(f"events:{w.name}", w.run, Drain.LAST, role=f"events:{w.name}")
+             for w in self.workers]
 
     async def start(self) -> None:
         for w in self.workers:

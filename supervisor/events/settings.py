@@ -26,11 +26,10 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from supervisor.configtypes import Secret, _positive
+from supervisor.configtypes import Secret, _positive, missing_secret, read_secret
 from supervisor.infrai.settings import InfraiConfig
 
 SINK_KINDS = ("infrai", "webhook")
@@ -132,24 +131,13 @@ def resolve_sinks(events: EventsConfig, infrai: InfraiConfig,
             problems.append(f"{key}: kind = 'infrai' needs the Infrai project key "
                             f"(infrai.token_env: ${infrai.token_env} is not set)")
         if s.kind == "webhook" and s.secret_env:
-            secret, problem = _read_secret(key, s.secret_env, env)
+            secret, problem = read_secret(f"{key}.secret_env", s.secret_env, env)
+            if secret is None and not problem:
+                problem = missing_secret(f"{key}.secret_env", s.secret_env,
+                                         "the webhook signs with it")
             if problem:
                 problems.append(problem)
             s = dataclasses.replace(s, secret=secret)
         sinks.append(s)
     return dataclasses.replace(events, sink=tuple(sinks)), problems
 
-
-def _read_secret(key: str, var: str, env: Mapping[str, str]) -> tuple[Secret | None, str]:
-    where = f"{key}.secret_env"
-    if var in env:
-        value = env[var].strip()
-        return (Secret(value), "") if value else (None, f"{where}: ${var} is empty")
-    file_var = f"{var}_FILE"
-    if file_var in env:
-        try:
-            value = Path(env[file_var]).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            return None, f"{where}: ${file_var} cannot be read: {exc.strerror}"
-        return (Secret(value), "") if value else (None, f"{where}: ${file_var} is empty")
-    return None, f"{where}: ${var} (or ${var}_FILE) is not set; the webhook signs with it"

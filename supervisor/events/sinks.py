@@ -19,7 +19,6 @@ Only a 2xx answer counts as delivered; anything else (redirects included) is tri
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import time
@@ -32,12 +31,11 @@ import orjson
 
 from supervisor.errors import QueueError
 from supervisor.events.settings import SinkConfig
-from supervisor.infrai.settings import InfraiConfig
+from supervisor.httputil import parse_retry_after
+from supervisor.infrai.channel import InfraiChannel
 from supervisor.logtext import LIMIT, outside
 from supervisor.model import Event
-from supervisor.partner import parse_retry_after
 from supervisor.queue.base import MAX_PAYLOAD_BYTES
-from supervisor.queue.infrai import InfraiQueue
 
 SIGNATURE_HEADER = "X-Cleanup-Signature"
 TIMESTAMP_HEADER = "X-Cleanup-Timestamp"
@@ -111,32 +109,31 @@ def signature(secret: bytes, timestamp: str, body: bytes, signed: str = "timesta
 
 class InfraiSink:
     """Each batch is one message (``queue.publish``) on the sink's own Infrai queue, which
-    is created at the first delivery if missing, with no dead-letter queue."""
+    is created at the first delivery if missing, with no dead-letter queue (the
+    composition root builds its channel: supervisor/composition.py)."""
 
-    def __init__(self, config: SinkConfig, infrai: InfraiConfig,
-                 queue: InfraiQueue | None = None) -> None:
+    def __init__(self, config: SinkConfig, channel: InfraiChannel) -> None:
         self.config = config
-        self.queue = queue or InfraiQueue(dataclasses.replace(
-            infrai, queue=config.queue, dead_letter_queue=""))
+        self.channel = channel
 
     @property
     def name(self) -> str:
         return self.config.name
 
     async def start(self) -> None:
-        await self.queue.start()
+        await self.channel.start()
 
     async def deliver(self, events: Sequence[Event]) -> int:
         n, payload, _ = batch_body(events)
         try:
             # Keyed by the batch's events: a retry after a lost answer is one message.
-            await self.queue.publish_payload(payload, key=f"ev-{idempotency_key(events[:n])}")
+            await self.channel.publish_payload(payload, key=f"ev-{idempotency_key(events[:n])}")
         except QueueError as exc:  # after the client's own retries; blocked keys too
             raise SinkError(str(exc)) from exc
         return n
 
     async def close(self) -> None:
-        await self.queue.close()
+        await self.channel.close()
 
 
 class WebhookSink:
@@ -187,9 +184,3 @@ class WebhookSink:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-def build_sink(config: SinkConfig, infrai: InfraiConfig) -> Sink:
-    if config.kind == "infrai":
-        return InfraiSink(config, infrai)
-    return WebhookSink(config)

@@ -23,10 +23,10 @@ import aiohttp
 import orjson
 
 from supervisor import metrics
-from supervisor.config import InfraiConfig
 from supervisor.errors import QueueBlocked, QueueError, QueueRefused
+from supervisor.httputil import parse_retry_after
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.logtext import outside
-from supervisor.partner import parse_retry_after
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,10 @@ from typing import Any
 import orjson
 from croniter import croniter
 
-from supervisor.config import InfraiConfig, Secret
+from supervisor.configtypes import Secret
 from supervisor.errors import CleanupError
 from supervisor.infrai.client import InfraiClient, InfraiError
+from supervisor.infrai.settings import InfraiConfig
 
 # Quartz-style tokens Infrai is not known to support (reference: do not rely on them):
 # L, W, # and ? outside the month and weekday names.

@@ -18,10 +18,10 @@ from urllib.parse import quote, urlsplit
 
 import orjson
 
-from supervisor.config import InfraiConfig
 from supervisor.configtypes import Secret
 from supervisor.errors import CleanupError
 from supervisor.infrai.client import InfraiClient, InfraiError
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.push import PushSettings
 
 

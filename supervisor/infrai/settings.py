@@ -6,11 +6,10 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from supervisor.configtypes import Secret, _positive
+from supervisor.configtypes import Secret, _positive, missing_secret, read_secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,19 +130,11 @@ class InfraiConfig:
 def resolve_push_secret(c: InfraiConfig, env: Mapping[str, str]) -> tuple[InfraiConfig, list[str]]:
     """``push_secret`` from ``$push_secret_env`` (or the file ``$<VAR>_FILE`` names); its
     absence is a problem only when deliveries are pushed (they cannot be verified)."""
-    var, where = c.push_secret_env, "infrai.push_secret_env"
-    value, problem = "", ""
-    if var and var in env:
-        value = env[var].strip()
-        problem = "" if value else f"{where}: ${var} is empty"
-    elif var and f"{var}_FILE" in env:
-        try:
-            value = Path(env[f"{var}_FILE"]).read_text(encoding="utf-8").strip()
-            problem = "" if value else f"{where}: ${var}_FILE is empty"
-        except OSError as exc:
-            problem = f"{where}: ${var}_FILE cannot be read: {exc.strerror}"
-    elif c.delivery == "push":
-        problem = (f"{where}: ${var} (or ${var}_FILE) is not set; infrai.delivery = 'push' "
-                   "verifies every delivery with it")
-    resolved = dataclasses.replace(c, push_secret=Secret(value)) if value else c
+    where = "infrai.push_secret_env"
+    secret, problem = read_secret(where, c.push_secret_env, env) if c.push_secret_env \
+        else (None, "")
+    if secret is None and not problem and c.delivery == "push":
+        problem = missing_secret(where, c.push_secret_env,
+                                 "infrai.delivery = 'push' verifies every delivery with it")
+    resolved = dataclasses.replace(c, push_secret=secret) if secret is not None else c
     return resolved, [problem] if problem else []

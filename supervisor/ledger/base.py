@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-import orjson
-
 from supervisor.model import (
     Attempt,
     Backlog,
@@ -170,12 +168,6 @@ class Ledger(Protocol):
 
     async def stats(self) -> LedgerStats: ...
 
-    async def load_budget(self, key: str) -> dict[str, Any] | None:
-        """What the rate budget saved for ``key`` (a partner's base URL), if anything."""
-
-    async def save_budget(self, key: str, data: dict[str, Any]) -> None:
-        """Replace what is saved for ``key``; durable when the call returns."""
-
     async def record_operator_action(self, action: str, by: str, reason: str,
                                      detail: Mapping[str, Any]) -> OperatorAction:
         """Append an operator's act to the audit table; durable when the call returns."""
@@ -209,25 +201,3 @@ class EventOutbox(Protocol):
 
 class LedgerStore(Ledger, EventOutbox, Protocol):
     """A ledger backend as the service holds it: the ledger and its events outbox."""
-
-
-def budget_memory(blob: str | bytes | None) -> dict[str, Any] | None:
-    """What the rate budget saved, as every backend stores it (a JSON object); None for
-    nothing saved or anything unreadable (the budget then starts fresh)."""
-    if blob is None:
-        return None
-    try:
-        data = orjson.loads(blob)
-    except orjson.JSONDecodeError:
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def operator_action(row: Sequence[Any]) -> OperatorAction:
-    """An audit row (id, at, action, actor, reason, detail JSON) as every backend stores it."""
-    try:
-        detail = orjson.loads(row[5]) if row[5] else {}
-    except orjson.JSONDecodeError:
-        detail = {}
-    return OperatorAction(id=int(row[0]), at=float(row[1]), action=row[2], by=row[3],
-                          reason=row[4], detail=detail if isinstance(detail, dict) else {})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from supervisor.configtypes import SCHEMA_NAME, Secret, _positive
+from supervisor.configtypes import SCHEMA_NAME, Secret, _positive, missing_secret
 
 # At most 40 characters: NOTIFY channels (cleanup_<schema>_<name>) must stay under 64.
 
@@ -42,6 +42,6 @@ class LedgerConfig:
             out.append(f"ledger.schema must be a lower-case SQL identifier of at most 40 "
                        f"characters, got {self.schema!r}")
         if self.backend == "postgres" and self.dsn is None:
-            out.append(f"ledger.dsn_env: ${self.dsn_env} (or ${self.dsn_env}_FILE) is not set; "
-                       "ledger.backend = 'postgres' needs the database's DSN")
+            out.append(missing_secret("ledger.dsn_env", self.dsn_env,
+                                      "ledger.backend = 'postgres' needs the database's DSN"))
         return out

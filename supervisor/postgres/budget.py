@@ -62,8 +62,8 @@ from supervisor.budget.announced import Announced
 from supervisor.budget.base import Admission, Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
 from supervisor.budget.policy import BudgetState, PolicyConfig
 from supervisor.budget.quota import RollingQuota
+from supervisor.budget.settings import LimitsConfig
 from supervisor.budget.slots import Slots
-from supervisor.config import LimitsConfig
 from supervisor.postgres import connect as pg
 from supervisor.postgres.budget_row import MIGRATIONS, BudgetTable, Change, Row, live, new_life, parse
 from supervisor.postgres.budget_slots import Block, SlotBook

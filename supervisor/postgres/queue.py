@@ -22,7 +22,7 @@ from supervisor.postgres.database import Conn, PgDatabase
 from supervisor.queue.base import Capabilities, wait_until_due
 
 CAPABILITIES = Capabilities(transactional_ack=True, extend=True, nack=True, stats=True,
-                            max_delay_s=float("inf"))
+                            max_delay_s=float("inf"), billed=False, default_prefetch=0)
 # Without a notification (a dropped LISTEN connection), consumers look this often.
 FALLBACK_POLL_S = 2.0
 

@@ -1,7 +1,8 @@
 """Every SQL statement of the PostgreSQL ledger, queue and replica registry, by name.
 
-The same state changes as supervisor/ledger/sql.py (the SQLite ledger), in PostgreSQL's
-dialect: ``$n`` parameters, GREATEST/LEAST, arrays instead of json_each, and what only
+The same state changes as supervisor/sqlite/sql.py, with the parameters numbered alike
+(the ledger's core passes the same arguments to both), in PostgreSQL's dialect: ``$n``
+parameters, GREATEST/LEAST, arrays instead of json_each, and what only
 several writers need: an owner (``holder``, a replica) on every lease and in-flight guard,
 claims with ``FOR UPDATE SKIP LOCKED``, NOTIFY on the writes other replicas wait for.
 Times are epoch seconds (double precision), as in the SQLite file. What replicas compare
@@ -13,9 +14,7 @@ lease a peer still holds nor pass a peer's guard.
 
 from __future__ import annotations
 
-import functools
-
-from supervisor import states
+from supervisor.ledger import shape
 from supervisor.postgres.connect import Migration
 from supervisor.states import OpState
 
@@ -87,6 +86,8 @@ MIGRATIONS = (
             enqueued_at {_T} NOT NULL)""",
         "CREATE INDEX messages_available ON messages(available_at)",
         "CREATE INDEX messages_held ON messages(holder) WHERE holder IS NOT NULL",
+        # Unused since the shared budget keeps its state in rate_budget (postgres/budget.py);
+        # left in place, as a migration is never edited.
         f"""CREATE TABLE budget_memory (
             key TEXT PRIMARY KEY, state TEXT NOT NULL, updated_at {_T} NOT NULL)""",
         f"""CREATE TABLE events (
@@ -137,29 +138,22 @@ MIGRATIONS = (
 
 DB_NOW = "extract(epoch from clock_timestamp())::double precision"
 
-RUN_COLUMNS = (
-    "id, tick_key, schedule, scheduled_for, state, source, scan_cursor, scan_pages, "
-    "discovered, skipped_candidates, scan_failures, last_error, created_at, "
-    "scan_finished_at, finished_at"
-)
-# List reads: the source's kind, not its JSON (see supervisor/ledger/sql.py).
 # A run a replica of the previous release opened during a rolling upgrade has no
 # source_kind: its JSON still says.
-LIST_RUN_COLUMNS = RUN_COLUMNS.replace(
-    "state, source,", "state, COALESCE(source_kind, source::json->>'kind') AS source_kind,")
-OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at, due_at"
+LIST_RUN_COLUMNS = shape.list_run_columns(
+    "COALESCE(source_kind, source::json->>'kind') AS source_kind")
 
 # runs
 INSERT_RUN = (
     "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, source_kind, "
     "created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (tick_key) DO NOTHING"
 )
-SELECT_RUN_BY_TICK = f"SELECT {RUN_COLUMNS} FROM runs WHERE tick_key = $1"
+SELECT_RUN_BY_TICK = f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE tick_key = $1"
 SELECT_RECENT_RUN_OF_SCHEDULE = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE schedule = $1 AND created_at >= $2 "
+    f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE schedule = $1 AND created_at >= $2 "
     "ORDER BY created_at DESC LIMIT 1"
 )
-SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"
+SELECT_RUN = f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE id = $1"
 SELECT_UNFINISHED_RUN = (
     f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
 )
@@ -175,7 +169,7 @@ SELECT_SCHEDULE_RUNS = (
     "ORDER BY created_at DESC, id DESC LIMIT 1) newest ORDER BY created_at, id"
 )
 SELECT_RUNS_TO_SCAN = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
+    f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
 )
 SELECT_CURRENT_RUN = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
 # Only from the cursor the scan resumed from: a second scanner (a holder that lost its
@@ -218,21 +212,21 @@ INSERT_OPERATIONS = (
     "FROM unnest($1::text[], $2::text[]) AS u(id, rid) "
     "ON CONFLICT (run_id, recipient_id) DO NOTHING RETURNING 1) SELECT COUNT(*) FROM added"
 )
-SELECT_OPERATION = f"SELECT {OP_COLUMNS} FROM operations WHERE id = $1"
+SELECT_OPERATION = f"SELECT {shape.OP_COLUMNS} FROM operations WHERE id = $1"
 SELECT_OPERATIONS_WITH_OPEN_ATTEMPT = (
-    f"SELECT {OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
+    f"SELECT {shape.OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
     "operations.id ORDER BY a.id DESC LIMIT 1) FROM operations WHERE id = ANY($1::text[])"
 )
 # Paged by operation ID: time-ordered, unique, and no storage row ID in any cursor.
 SELECT_OPERATIONS = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = $1 AND id > $2 ORDER BY id LIMIT $3"
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE run_id = $1 AND id > $2 ORDER BY id LIMIT $3"
 )
 SELECT_OPERATIONS_IN_STATE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = $1 AND state = $2 AND id > $3 "
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE run_id = $1 AND state = $2 AND id > $3 "
     "ORDER BY id LIMIT $4"
 )
 SELECT_OPERATIONS_BY_STATE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE state = $1 AND id > $2 ORDER BY id LIMIT $3"
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE state = $1 AND id > $2 ORDER BY id LIMIT $3"
 )
 SELECT_UNPUBLISHED = (
     "SELECT run_id, id, recipient_id FROM operations WHERE state = 'discovered' "
@@ -298,22 +292,11 @@ SELECT_OVERDUE = (
 )
 
 
-@functools.cache
 def transition(target: OpState, guard_busy: bool) -> str:
-    """The guarded state change (see supervisor/ledger/sql.py): parameters are target,
-    reason, count, now, owner, busy_s (the hold, from the database's now; NULL for none),
-    id, holder; no row back means refused. The guard and the hold are on the database's
+    """The guarded state change (:func:`supervisor.ledger.shape.transition`), naming the
+    replica that holds the operation ($8). The guard and the hold are on the database's
     clock: every replica compares them with the same one."""
-    # No predecessor (nothing moves back to discovered): PostgreSQL has no ``IN ()``.
-    allowed = ", ".join(f"'{s.value}'" for s in sorted(states.predecessors(target))) or "NULL"
-    busy = (f" AND (state != 'in_flight' OR busy_until IS NULL OR busy_until <= {DB_NOW}"
-            " OR owner = $5)") if guard_busy else ""
-    return (
-        "UPDATE operations SET state = $1, reason = COALESCE($2, reason), "
-        "attempts = attempts + $3, updated_at = $4, owner = $5, "
-        f"busy_until = {DB_NOW} + $6::double precision, "
-        f"holder = $8 WHERE id = $7 AND state IN ({allowed}){busy} RETURNING attempts"
-    )
+    return shape.transition(target, guard_busy, "$", clock=DB_NOW, holder=True)
 
 
 # The attempt still holds its operation in flight: open, ``owner``'s on this replica
@@ -335,7 +318,7 @@ KEEP_ATTEMPT = (
 
 
 SELECT_AMBIGUOUS_DUE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= $1 "
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= $1 "
     "AND COALESCE(due_at, 0) <= $2 ORDER BY updated_at LIMIT $3"
 )
 PUT_OFF_PROBE = "UPDATE operations SET due_at = $1 WHERE id = $2"
@@ -354,14 +337,6 @@ FINISH_ATTEMPT = (
     "UPDATE attempts SET finished_at = $1, status = $2, outcome = $3, detail = $4 "
     "WHERE id = $5 AND outcome IS NULL RETURNING id"
 )
-# The new attempt supersedes every open one (recorded as unknown), in one statement.
-SUPERSEDE_AND_INSERT_ATTEMPT = (
-    "WITH closed AS (UPDATE attempts SET finished_at = $4, outcome = 'unknown', "
-    "detail = 'no outcome recorded (process stopped or lease lost)' "
-    "WHERE operation_id = $1 AND outcome IS NULL) "
-    "INSERT INTO attempts (operation_id, n, kind, started_at) VALUES ($1, $2, $3, $4) "
-    "RETURNING id"
-)
 HAS_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE operation_id = $1 AND outcome IS NULL LIMIT 1"
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = $1, outcome = 'unknown', "
@@ -370,8 +345,8 @@ CLOSE_OPEN_ATTEMPTS = (
 )
 # Paged by position in the operation's log: LIMIT NULL is all.
 SELECT_ATTEMPTS = (
-    "SELECT id, operation_id, n, kind, started_at, finished_at, status, outcome, detail "
-    "FROM attempts WHERE operation_id = $1 ORDER BY id LIMIT $2 OFFSET $3"
+    f"SELECT {shape.ATTEMPT_COLUMNS} FROM attempts WHERE operation_id = $1 ORDER BY id "
+    "LIMIT $2 OFFSET $3"
 )
 
 # the queue table
@@ -453,26 +428,20 @@ SELECT_OPERATOR_ACTIONS = (
     "SELECT id, at, action, actor, reason, detail FROM operator_actions WHERE action = $1 "
     "ORDER BY id DESC LIMIT $2"
 )
-SELECT_BUDGET = "SELECT state FROM budget_memory WHERE key = $1"
-UPSERT_BUDGET = (
-    "INSERT INTO budget_memory (key, state, updated_at) VALUES ($1, $2, $3) "
-    "ON CONFLICT (key) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at"
-)
 
 # events outbox
 INSERT_OPERATION_EVENT = (
     "INSERT INTO events (id, kind, at, run_id, operation_id, recipient_id, outcome) "
-    "SELECT $1, 'operation.settled', $2, run_id, id, recipient_id, state "
+    f"SELECT $1, '{shape.OPERATION_SETTLED}', $2, run_id, id, recipient_id, state "
     "FROM operations WHERE id = $3"
 )
 INSERT_RUN_EVENT = (
-    "INSERT INTO events (id, kind, at, run_id, counts) SELECT $1, 'run.finished', $2, $3, "
+    f"INSERT INTO events (id, kind, at, run_id, counts) SELECT $1, '{shape.RUN_FINISHED}', $2, $3, "
     "COALESCE((SELECT json_object_agg(state, n)::text FROM (SELECT state, COUNT(*) AS n "
     "FROM operations WHERE run_id = $3 GROUP BY state) s), '{}')"
 )
-EVENT_COLUMNS = "seq, id, kind, at, run_id, operation_id, recipient_id, outcome, counts"
 SELECT_EVENTS_AFTER = (
-    f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > $1 ORDER BY seq LIMIT $2"
+    f"SELECT {shape.EVENT_COLUMNS} FROM events WHERE seq > $1 ORDER BY seq LIMIT $2"
 )
 # Sequences leave gaps in PostgreSQL (a rolled-back insert keeps its number): count.
 EVENT_BACKLOG = "SELECT COUNT(*), MIN(at) FROM events WHERE seq > $1"

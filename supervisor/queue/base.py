@@ -34,6 +34,12 @@ class Capabilities:
     max_delay_s: float = MAX_DELAY_S  # the longest delay publish accepts
     # False: messages arrive by push (HTTP), receive never hands any out.
     pull: bool = True
+    # Each receive is a billed call: an empty queue is polled ever more slowly (a publish
+    # of ours still wakes the consumer at once) instead of at the configured interval.
+    billed: bool = False
+    # Messages received beyond the idle workers when ``queue.prefetch`` is unset: a
+    # transport whose round trip costs time keeps a few in hand so no worker waits on it.
+    default_prefetch: int = 0
 
 
 class Queue(Protocol):

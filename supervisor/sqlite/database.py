@@ -63,10 +63,9 @@ class Database:
     async def open(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            await self._connect()
-            assert self._writer is not None
-            await self._writer.executescript(sql.SCHEMA)
-            await self._migrate(self._writer)
+            writer = await self._connect()
+            await writer.executescript(sql.SCHEMA)
+            await self._migrate(writer)
         except (OSError, sqlite3.Error) as exc:
             await self.close()
             raise StorageError(f"cannot open ledger {self.path}: {exc}") from exc
@@ -132,7 +131,8 @@ class Database:
             await conn.execute(sql.BACKFILL_SOURCE_KIND)
         await conn.execute(sql.ACTIVE_INDEX)
 
-    async def _connect(self) -> None:
+    async def _connect(self) -> aiosqlite.Connection:
+        """Connect the writer, the reader and the lister; returns the writer."""
         # aiosqlite stops its worker thread on a failed connect without waiting for it, and
         # the thread's last answer can then land on a loop that has closed (a traceback at
         # exit, after a clean start-up failure): open the file once first, with no worker.
@@ -144,6 +144,7 @@ class Database:
         await self._reader.execute("PRAGMA busy_timeout=5000")
         self._lister = await aiosqlite.connect(self.path, isolation_level=None)
         await self._lister.execute("PRAGMA busy_timeout=5000")
+        return self._writer
 
     async def _reconnect(self) -> None:
         """Fresh connections after a corrupt-page error: the old ones may keep the bad page

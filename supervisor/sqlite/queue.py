@@ -15,7 +15,7 @@ from supervisor.sqlite import sql
 from supervisor.sqlite.database import Database
 
 CAPABILITIES = Capabilities(transactional_ack=True, extend=True, nack=True, stats=True,
-                            max_delay_s=float("inf"))
+                            max_delay_s=float("inf"), billed=False, default_prefetch=0)
 
 
 class SqliteQueue:

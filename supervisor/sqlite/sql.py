@@ -1,13 +1,14 @@
 """Every SQL statement of the embedded (SQLite) ledger and queue, by name.
 
-Keeping them here makes the schema and the state changes reviewable in one file.
+Keeping them here makes the schema and the state changes reviewable in one file. The
+ledger's statements (:class:`~supervisor.ledger.driver.Statements`) number their
+parameters (``?1``) as supervisor/postgres/sql.py does (``$1``): the ledger's core passes
+the same arguments to both.
 """
 
 from __future__ import annotations
 
-import functools
-
-from supervisor import states
+from supervisor.ledger import shape
 from supervisor.states import OpState
 
 SCHEMA = """
@@ -173,27 +174,19 @@ PRAGMAS = (
     "PRAGMA cache_size=-16384",
 )
 
-RUN_COLUMNS = (
-    "id, tick_key, schedule, scheduled_for, state, source, scan_cursor, scan_pages, "
-    "discovered, skipped_candidates, scan_failures, last_error, created_at, "
-    "scan_finished_at, finished_at"
-)
-# What list reads select: the source's kind instead of its JSON, which holds up to 10,000
-# IDs for an inline run (the scan alone needs them; it reads them with RUN_COLUMNS).
-LIST_RUN_COLUMNS = RUN_COLUMNS.replace("state, source,", "state, source_kind,")
-OP_COLUMNS = "id, run_id, recipient_id, state, attempts, reason, created_at, updated_at, due_at"
+LIST_RUN_COLUMNS = shape.list_run_columns()
 
 # runs
 INSERT_RUN = (
     "INSERT INTO runs (id, tick_key, schedule, scheduled_for, state, source, source_kind, "
     "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tick_key) DO NOTHING"
 )
-SELECT_RUN_BY_TICK = f"SELECT {RUN_COLUMNS} FROM runs WHERE tick_key = ?"
+SELECT_RUN_BY_TICK = f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE tick_key = ?"
 SELECT_RECENT_RUN_OF_SCHEDULE = (
-    f"SELECT {RUN_COLUMNS} FROM runs WHERE schedule = ? AND created_at >= ? "
+    f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE schedule = ? AND created_at >= ? "
     "ORDER BY created_at DESC LIMIT 1"
 )
-SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE id = ?"
+SELECT_RUN = f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE id = ?"
 SELECT_UNFINISHED_RUN = (
     f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE state != 'done' ORDER BY created_at LIMIT 1"
 )
@@ -208,11 +201,11 @@ SELECT_RUNS_BY_ID = (
 # A schedule's newest run and every unfinished one, oldest first: two index ranges
 # (runs_schedule, runs_schedule_unfinished), however many runs the schedule has had.
 SELECT_SCHEDULE_RUNS = (
-    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = :schedule AND state != 'done' "
-    f"UNION SELECT * FROM (SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = :schedule "
+    f"SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = ?1 AND state != 'done' "
+    f"UNION SELECT * FROM (SELECT {LIST_RUN_COLUMNS} FROM runs WHERE schedule = ?1 "
     "ORDER BY created_at DESC, id DESC LIMIT 1) ORDER BY created_at, id"
 )
-SELECT_RUNS_TO_SCAN = f"SELECT {RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
+SELECT_RUNS_TO_SCAN = f"SELECT {shape.RUN_COLUMNS} FROM runs WHERE state = 'scanning' ORDER BY created_at"
 SELECT_CURRENT_RUN = f"SELECT {LIST_RUN_COLUMNS} FROM runs ORDER BY created_at DESC LIMIT 1"
 UPDATE_RUN_PAGE = (
     "UPDATE runs SET scan_cursor = ?, scan_pages = scan_pages + 1, "
@@ -256,83 +249,87 @@ INSERT_OPERATION = (
     "INSERT INTO operations (id, run_id, recipient_id, state, created_at, updated_at) "
     "VALUES (?, ?, ?, 'discovered', ?, ?) ON CONFLICT (run_id, recipient_id) DO NOTHING"
 )
-SELECT_OPERATION = f"SELECT {OP_COLUMNS} FROM operations WHERE id = ?"
+SELECT_OPERATION = f"SELECT {shape.OP_COLUMNS} FROM operations WHERE id = ?"
 SELECT_OPERATIONS_WITH_OPEN_ATTEMPT = (
-    f"SELECT {OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
+    f"SELECT {shape.OP_COLUMNS}, (SELECT a.outcome IS NULL FROM attempts a WHERE a.operation_id = "
     "operations.id ORDER BY a.id DESC LIMIT 1) FROM operations "
     "WHERE id IN (SELECT value FROM json_each(?))"
 )
 # Paged by operation ID (time-ordered, unique): the cursor means the same in every backend.
 SELECT_OPERATIONS = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = ? AND id > ? ORDER BY id LIMIT ?"
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE run_id = ? AND id > ? ORDER BY id LIMIT ?"
 )
 SELECT_OPERATIONS_IN_STATE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE run_id = ? AND state = ? AND id > ? "
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE run_id = ? AND state = ? AND id > ? "
     "ORDER BY id LIMIT ?"
 )
 SELECT_UNPUBLISHED = (
     "SELECT run_id, id, recipient_id FROM operations WHERE state = 'discovered' "
     "ORDER BY rowid LIMIT ?"
 )
-SELECT_OP_STATE = "SELECT state, attempts, owner, busy_until FROM operations WHERE id = ?"
+# The hold is on this process's clock: no database clock to compare it with (NULL).
+SELECT_OP_STATE = "SELECT state, attempts, owner, busy_until, NULL FROM operations WHERE id = ?"
 # A message is out there for the operation (the outbox's publish, a repost with a delay,
 # a redrive). A discovered operation becomes queued; any other keeps its state.
 # Never brings a due time forward: a copy handed back or redriven does not cut a retry's
 # wait short. A deliberate move of the message starts the poison count again.
+# Parameters: message ID, now, due at, operation (RECORD_OUTBOX too).
 RECORD_PUBLISHED = (
-    "UPDATE operations SET message_id = :message_id, published_at = :now,"
-    " due_at = MAX(COALESCE(due_at, 0), :due_at), leased_until = NULL, updated_at = :now,"
+    "UPDATE operations SET message_id = ?1, published_at = ?2,"
+    " due_at = MAX(COALESCE(due_at, 0), ?3), leased_until = NULL, updated_at = ?2,"
     " receives = 0, state = CASE state WHEN 'discovered' THEN 'queued' ELSE state END "
-    "WHERE id = :id AND state IN ('discovered', 'queued', 'retry_wait', 'in_flight')"
+    "WHERE id = ?4 AND state IN ('discovered', 'queued', 'retry_wait', 'in_flight')"
 )
 # The outbox's record comes after its publish: a consumer may have had the message and
 # moved the operation on (even reposted it) meanwhile. Then that bookkeeping stands.
 RECORD_OUTBOX = (
-    "UPDATE operations SET message_id = COALESCE(message_id, :message_id),"
-    " published_at = :now, due_at = COALESCE(due_at, :due_at), updated_at = :now,"
-    " state = 'queued' WHERE id = :id AND state = 'discovered'"
+    "UPDATE operations SET message_id = COALESCE(message_id, ?1),"
+    " published_at = ?2, due_at = COALESCE(due_at, ?3), updated_at = ?2,"
+    " state = 'queued' WHERE id = ?4 AND state = 'discovered'"
 )
 # A delivery arrived, of the live message or of another copy (a repost's predecessor
 # whose ack was lost, a publish a killed process never recorded): every copy is the same
 # work, and the in-flight guard keeps it to one attempt. No message recorded yet makes
 # this one the live one.
 # Returned with the count: how much longer the operation is held (an attempt's guard, a
-# retry not yet due), as this write saw it.
+# retry not yet due), as this write saw it. Parameters: now, the lease's end, the
+# delivery's message ID, the operation.
 _HELD_S = (
-    "MAX(0, CASE state WHEN 'in_flight' THEN COALESCE(busy_until, 0) - :now"
-    " WHEN 'retry_wait' THEN COALESCE(due_at, 0) - :now ELSE 0 END)"
+    "MAX(0, CASE state WHEN 'in_flight' THEN COALESCE(busy_until, 0) - ?1"
+    " WHEN 'retry_wait' THEN COALESCE(due_at, 0) - ?1 ELSE 0 END)"
 )
 NOTE_RECEIVED = (
-    "UPDATE operations SET receives = receives + 1, received_at = :now,"
-    " leased_until = :until, message_id = COALESCE(message_id, :message_id) "
-    f"WHERE id = :id RETURNING receives, {_HELD_S}"
+    "UPDATE operations SET receives = receives + 1, received_at = ?1,"
+    " leased_until = ?2, message_id = COALESCE(message_id, ?3) "
+    f"WHERE id = ?4 RETURNING receives, {_HELD_S}"
 )
 # Per message: a delivery of the message last counted (since the last outcome or move)
 # counts nothing more, and the delivery's message is the live one from now on.
 NOTE_RECEIVED_ONCE = (
-    "UPDATE operations SET receives = CASE WHEN receives > 0 AND message_id = :message_id"
-    " THEN receives ELSE receives + 1 END, received_at = :now, leased_until = :until,"
-    f" message_id = :message_id WHERE id = :id RETURNING receives, {_HELD_S}"
+    "UPDATE operations SET receives = CASE WHEN receives > 0 AND message_id = ?3"
+    " THEN receives ELSE receives + 1 END, received_at = ?1, leased_until = ?2,"
+    f" message_id = ?3 WHERE id = ?4 RETURNING receives, {_HELD_S}"
 )
 # After an outcome: the receive count starts again; a retry is due after its delay. With
 # a transport outside this database the old message is about to be acked (``clear``), so
-# no message is live until the repost records its own.
+# no message is live until the repost records its own. Parameters: keep the lease, the
+# retry's due time, clear, the operation.
 SETTLE_BOOKKEEPING = (
     "UPDATE operations SET receives = 0,"
-    " leased_until = CASE WHEN :keep THEN leased_until ELSE NULL END,"
-    " due_at = COALESCE(:due_at, due_at),"
-    " message_id = CASE WHEN :clear THEN NULL ELSE message_id END "
-    "WHERE id = :id"
+    " leased_until = CASE WHEN ?1 THEN leased_until ELSE NULL END,"
+    " due_at = COALESCE(?2, due_at),"
+    " message_id = CASE WHEN ?3 THEN NULL ELSE message_id END "
+    "WHERE id = ?4"
 )
 _ACTIVE = "state IN ('queued', 'retry_wait', 'in_flight')"
-_HELD = "(state = 'in_flight' OR COALESCE(leased_until, 0) > :now)"
-_CLAIMABLE = f"(NOT {_HELD} AND due_at <= :now)"
+_HELD = "(state = 'in_flight' OR COALESCE(leased_until, 0) > ?1)"
+_CLAIMABLE = f"(NOT {_HELD} AND due_at <= ?1)"
 # The queue as the ledger sees it, for a transport that cannot say: only unsettled rows.
 # INDEXED BY: the planner must not trade the partial index for a scan of all history.
 LEDGER_QUEUE_STATS = (
     "SELECT"
     f" COUNT(*) FILTER (WHERE {_CLAIMABLE}),"
-    f" COUNT(*) FILTER (WHERE NOT {_HELD} AND due_at > :now),"
+    f" COUNT(*) FILTER (WHERE NOT {_HELD} AND due_at > ?1),"
     f" COUNT(*) FILTER (WHERE {_HELD}),"
     f" MIN(MAX(due_at, COALESCE(leased_until, 0))) FILTER (WHERE {_CLAIMABLE}) "
     f"FROM operations INDEXED BY operations_active WHERE {_ACTIVE}"
@@ -341,40 +338,28 @@ LEDGER_QUEUE_STATS = (
 # whose retry is due (a wait past the transport's longest delay, a repost that never
 # happened), or one nothing has touched (due, delivered, held, changed) since ``before``:
 # the queue has delivered what was due after it, or delivered nothing while it waited.
-# ``before`` NULL: the age rule is off.
+# ``before`` NULL: the age rule is off. Parameters: before, unposted_before, limit.
 SELECT_OVERDUE = (
     "SELECT run_id, id, recipient_id FROM operations INDEXED BY operations_active "
     f"WHERE {_ACTIVE} AND ("
-    " (message_id IS NULL AND state != 'in_flight' AND due_at <= :unposted_before)"
+    " (message_id IS NULL AND state != 'in_flight' AND due_at <= ?2)"
     " OR MAX(COALESCE(due_at, 0), COALESCE(leased_until, 0), COALESCE(busy_until, 0),"
-    " updated_at) <= :before) ORDER BY rowid LIMIT :limit"
+    " updated_at) <= ?1) ORDER BY rowid LIMIT ?3"
 )
 
 
-@functools.cache
 def transition(target: OpState, guard_busy: bool, returning: bool = True) -> str:
-    """The guarded state change: it only matches a row whose current state may legally
-    move to ``target`` (the table in supervisor/states.py), so the check and the write are
-    one statement. With ``guard_busy`` it also refuses an operation another owner holds
-    in flight. No row back means refused; the caller finds out why. Without
-    ``returning`` it suits ``executemany``: the caller counts the rows changed instead."""
-    allowed = ", ".join(f"'{s.value}'" for s in sorted(states.predecessors(target)))
-    busy = (" AND (state != 'in_flight' OR busy_until IS NULL OR busy_until <= :now"
-            " OR owner = :owner)") if guard_busy else ""
-    return (
-        "UPDATE operations SET state = :target, reason = COALESCE(:reason, reason), "
-        "attempts = attempts + :count, updated_at = :now, owner = :owner, "
-        f"busy_until = :busy_until WHERE id = :id AND state IN ({allowed}){busy}"
-        + (" RETURNING attempts" if returning else "")
-    )
+    """The guarded state change (:func:`supervisor.ledger.shape.transition`); the hold is
+    on the now passed in, this process's clock."""
+    return shape.transition(target, guard_busy, "?", returning=returning)
 
 
 SELECT_OPERATIONS_BY_STATE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE state = ? AND id > ? ORDER BY id LIMIT ?"
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE state = ? AND id > ? ORDER BY id LIMIT ?"
 )
 # Settled long enough, and not put off by an inconclusive probe (due_at: its backoff).
 SELECT_AMBIGUOUS_DUE = (
-    f"SELECT {OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= ? "
+    f"SELECT {shape.OP_COLUMNS} FROM operations WHERE state = 'ambiguous' AND updated_at <= ? "
     "AND COALESCE(due_at, 0) <= ? ORDER BY updated_at LIMIT ?"
 )
 PUT_OFF_PROBE = "UPDATE operations SET due_at = ? WHERE id = ?"
@@ -391,7 +376,6 @@ FINISH_ATTEMPT = (
     "UPDATE attempts SET finished_at = ?, status = ?, outcome = ?, detail = ? "
     "WHERE id = ? AND outcome IS NULL"
 )
-SELECT_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE id = ? AND outcome IS NULL"
 # The attempt is still the one holding the operation in flight, for long enough.
 _OWNED = (
     "id = :id AND state = 'in_flight' AND owner = :owner AND busy_until > :until AND EXISTS ("
@@ -407,10 +391,10 @@ CLOSE_OPEN_ATTEMPTS = (
     "detail = 'no outcome recorded (process stopped or lease lost)' "
     "WHERE operation_id = ? AND outcome IS NULL"
 )
-# Paged by position in the operation's log (rows are only ever appended): LIMIT -1 is all.
+# Paged by position in the operation's log (rows are only ever appended): no limit is all.
 SELECT_ATTEMPTS = (
-    "SELECT id, operation_id, n, kind, started_at, finished_at, status, outcome, detail "
-    "FROM attempts WHERE operation_id = ? ORDER BY id LIMIT ? OFFSET ?"
+    f"SELECT {shape.ATTEMPT_COLUMNS} FROM attempts WHERE operation_id = ?1 ORDER BY id "
+    "LIMIT COALESCE(?2, -1) OFFSET ?3"
 )
 
 # embedded queue
@@ -464,20 +448,20 @@ UPSERT_BUDGET = (
     "ON CONFLICT (key) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at"
 )
 
-# events outbox (supervisor/ledger/outbox.py). Identifiers only: the row names the
-# operation, the run and the recipient, and the state the operation settled in.
+# events outbox. Identifiers only: the row names the operation, the run and the
+# recipient, and the state the operation settled in. Parameters: the event's ID, now, the
+# operation (the run).
 INSERT_OPERATION_EVENT = (
     "INSERT INTO events (id, kind, at, run_id, operation_id, recipient_id, outcome) "
-    "SELECT :event_id, 'operation.settled', :now, run_id, id, recipient_id, state "
-    "FROM operations WHERE id = :id"
+    f"SELECT ?1, '{shape.OPERATION_SETTLED}', ?2, run_id, id, recipient_id, state "
+    "FROM operations WHERE id = ?3"
 )
 INSERT_RUN_EVENT = (
     "INSERT INTO events (id, kind, at, run_id, counts) "
-    "SELECT :event_id, 'run.finished', :now, :run_id, json_group_object(state, n) FROM "
-    "(SELECT state, COUNT(*) AS n FROM operations WHERE run_id = :run_id GROUP BY state)"
+    f"SELECT ?1, '{shape.RUN_FINISHED}', ?2, ?3, json_group_object(state, n) FROM "
+    "(SELECT state, COUNT(*) AS n FROM operations WHERE run_id = ?3 GROUP BY state)"
 )
-EVENT_COLUMNS = "seq, id, kind, at, run_id, operation_id, recipient_id, outcome, counts"
-SELECT_EVENTS_AFTER = f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > ? ORDER BY seq LIMIT ?"
+SELECT_EVENTS_AFTER = f"SELECT {shape.EVENT_COLUMNS} FROM events WHERE seq > ? ORDER BY seq LIMIT ?"
 # The outbox is gapless from its oldest row to its newest: one writer hands out the seqs
 # and pruning only ever removes the oldest. So the backlog past a cursor is the newest seq
 # minus the first one past it, plus one: two lookups on the primary key, no count.
@@ -491,13 +475,14 @@ UPSERT_EVENT_CURSOR = (
     "ON CONFLICT (sink) DO UPDATE SET seq = MAX(seq, excluded.seq), "
     "updated_at = excluded.updated_at"
 )
-# The oldest events, at most :limit, up to the first that a named sink has not taken (a
-# sink without a cursor yet holds everything; no sink named holds nothing) or that was
-# written at or after :before. Always a prefix of the outbox, which keeps it gapless.
+# The oldest events, at most ?3, up to the first that a named sink (?1, a JSON array) has
+# not taken (a sink without a cursor yet holds everything; no sink named holds nothing)
+# or that was written at or after ?2. Always a prefix of the outbox, which keeps it
+# gapless.
 PRUNE_EVENTS = (
     "DELETE FROM events WHERE seq IN (SELECT seq FROM events WHERE seq <= MIN("
-    " COALESCE((SELECT MIN(COALESCE(c.seq, 0)) FROM json_each(:sinks) j"
+    " COALESCE((SELECT MIN(COALESCE(c.seq, 0)) FROM json_each(?1) j"
     "  LEFT JOIN event_cursors c ON c.sink = j.value), 9223372036854775807),"
-    " COALESCE((SELECT seq - 1 FROM events WHERE at >= :before ORDER BY seq LIMIT 1),"
-    "  9223372036854775807)) ORDER BY seq LIMIT :limit)"
+    " COALESCE((SELECT seq - 1 FROM events WHERE at >= ?2 ORDER BY seq LIMIT 1),"
+    "  9223372036854775807)) ORDER BY seq LIMIT ?3)"
 )

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from supervisor.apistate import ApiState
 from supervisor.status import budget_form
 from supervisor.status.auth import Sessions
 from supervisor.status.history import History, metrics_reader
@@ -31,9 +31,6 @@ from supervisor.status.page import (
     static,
 )
 from supervisor.status.views import StatusData
-
-if TYPE_CHECKING:
-    from supervisor.http import ApiState
 
 __all__ = ["STATUS", "add_status_routes"]
 

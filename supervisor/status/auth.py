@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from supervisor.config import StatusConfig
+from supervisor.authsettings import StatusConfig
 
 Role = Literal["operator", "viewer"]
 OPERATOR: Role = "operator"

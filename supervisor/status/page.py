@@ -14,7 +14,6 @@ import logging
 import re
 from dataclasses import dataclass
 from importlib import resources
-from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
@@ -22,7 +21,8 @@ from multidict import MultiDictProxy
 
 from supervisor import budget_api
 from supervisor.apiauth import GUARD, Refused, Role
-from supervisor.config import StatusConfig
+from supervisor.apistate import ApiState
+from supervisor.authsettings import StatusConfig
 from supervisor.errors import IllegalTransition, StorageError
 from supervisor.openapi import PRINTABLE
 from supervisor.reconcile import RESOLUTIONS
@@ -41,9 +41,6 @@ from supervisor.status.auth import (
 )
 from supervisor.status.history import History
 from supervisor.status.views import StatusData
-
-if TYPE_CHECKING:
-    from supervisor.http import ApiState
 
 log = logging.getLogger(__name__)
 

@@ -1086,20 +1086,6 @@ class TestLedgerContract:
         assert (s.depth, s.parked, s.leased) == (1, 1, 0)  # a settled one is no work
         assert s.oldest_claimable_age_s <= time.time() - began + 1.0
 
-    async def test_budget_memory_is_saved_and_replaced(self, backend: Backend) -> None:
-        ledger = backend.ledger
-        key = "https://partner.example"
-        assert await ledger.load_budget(key) is None
-        data = {"limit": 10.0, "paused_until": None, "quota": {"used": 3, "window": "day"}}
-        await ledger.save_budget(key, data)
-        assert await ledger.load_budget(key) == data
-        await ledger.save_budget(key, {"limit": 5.0})
-        assert await ledger.load_budget(key) == {"limit": 5.0}  # replaced, not merged
-        assert await ledger.load_budget("https://other.example") is None
-        await ledger.save_budget("https://other.example", {})
-        assert await ledger.load_budget("https://other.example") == {}
-        assert await ledger.load_budget(key) == {"limit": 5.0}
-
     async def test_operator_actions_are_recorded_with_who_why_and_when(
             self, backend: Backend) -> None:
         ledger = backend.ledger

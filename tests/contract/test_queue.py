@@ -4,8 +4,9 @@ Backends: the embedded SQLite queue on a real file, the PostgreSQL queue table o
 schema of its own (tests/conftest.py's ``pg``), and the Infrai adapter against the
 emulator on loopback in each capability mix the reference leaves open (no nack and no
 extend, nack only, nack and extend, a bare-list consume answer, a strict server that
-rejects late and unknown acks). Optional methods are exercised where a transport declares
-them and must refuse cleanly where it does not.
+rejects late and unknown acks); and the pushed transport (supervisor/push.py), whose
+messages arrive over HTTP, so the tests that need ``pull`` skip there. Optional methods
+are exercised where a transport declares them and must refuse cleanly where it does not.
 
 Time: the SQLite and PostgreSQL queues' leases are wall-clock (short ones, waited out); the
 emulator's
@@ -24,14 +25,16 @@ from typing import Any
 import pytest
 
 from cleanup_sandbox.infrai import EmulatorConfig, start_emulator
-from supervisor.config import InfraiConfig, Secret
+from supervisor.configtypes import Secret
 from supervisor.errors import QueueError
-from supervisor.model import Message
+from supervisor.infrai.queue import InfraiQueue
+from supervisor.infrai.settings import InfraiConfig
+from supervisor.model import Delivery, Message
 from supervisor.postgres import sql as pg_sql
 from supervisor.postgres.database import PgDatabase
 from supervisor.postgres.queue import PostgresQueue
+from supervisor.push import PushedQueue
 from supervisor.queue.base import Queue, Unsupported
-from supervisor.queue.infrai import InfraiQueue
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.queue import SqliteQueue
 
@@ -58,7 +61,7 @@ INFRAI_MIXES: dict[str, dict[str, object]] = {
 }
 
 
-@pytest.fixture(params=["sqlite", "postgres", *INFRAI_MIXES])
+@pytest.fixture(params=["sqlite", "postgres", *INFRAI_MIXES, "pushed"])
 def transport(request: pytest.FixtureRequest) -> tuple[str, Any]:
     """The backend's name, and the PostgreSQL schema where it needs one (only there: a
     machine without PostgreSQL still runs the others)."""
@@ -80,6 +83,13 @@ async def backend(transport: tuple[str, Any], tmp_path: Path) -> AsyncIterator[B
             yield Backend(SqliteQueue(db), lease_s=0.1, delay_s=0.2, advance=sleep)
         finally:
             await db.close()
+        return
+    if name == "pushed":
+        queue = PushedQueue(lease_s=30, max_wait_s=5)
+        try:
+            yield Backend(queue, lease_s=30, delay_s=120, advance=sleep)
+        finally:
+            await queue.close()
         return
     if name == "postgres":
         pgdb = PgDatabase(pg.dsn, pg.schema, "contract-replica")
@@ -112,10 +122,22 @@ def msg(i: int) -> Message:
     return Message(run_id="run_1", operation_id=f"op_{i}", recipient_id=f"r-{i}")
 
 
+def needs_pull(q: Queue) -> None:
+    if not q.capabilities.pull:
+        pytest.skip("no pull: messages arrive by push, receive hands none out and publish "
+                    "takes only the message of a delivery being answered")
+
+
+def needs_push(q: Queue) -> None:
+    if q.capabilities.pull:
+        pytest.skip("pull: what a pushed transport does instead is not asked of it")
+
+
 class TestQueueContract:
     async def test_publish_names_each_message_and_receive_hands_out_identifiers(
             self, backend: Backend) -> None:
         q = backend.queue
+        needs_pull(q)
         ids = await q.publish([msg(1), msg(2)])
         assert len(ids) == 2
         assert len(set(ids)) == 2
@@ -126,6 +148,7 @@ class TestQueueContract:
 
     async def test_receive_takes_at_most_max_messages(self, backend: Backend) -> None:
         q = backend.queue
+        needs_pull(q)
         await q.publish([msg(i) for i in range(5)])
         first = await q.receive(2, backend.lease_s)
         rest = await q.receive(10, backend.lease_s)
@@ -136,6 +159,7 @@ class TestQueueContract:
     async def test_a_held_message_comes_back_when_its_visibility_timeout_ends(
             self, backend: Backend) -> None:
         q = backend.queue
+        needs_pull(q)
         await q.publish([msg(1)])
         [first] = await q.receive(1, backend.lease_s)
         assert await q.receive(1, backend.lease_s) == []  # held: nobody else gets it
@@ -147,6 +171,7 @@ class TestQueueContract:
 
     async def test_ack_deletes_for_good(self, backend: Backend) -> None:
         q = backend.queue
+        needs_pull(q)
         await q.publish([msg(1), msg(2)])
         got = await q.receive(2, backend.lease_s)
         acked = next(d for d in got if d.message == msg(1))
@@ -159,6 +184,7 @@ class TestQueueContract:
         """A redelivery of a settled operation is acked on sight, and an ack can be sent
         twice (its first answer was lost): neither may fail the consumer."""
         q = backend.queue
+        needs_pull(q)
         await q.publish([msg(1)])
         [d] = await q.receive(1, backend.lease_s)
         await q.ack([d])
@@ -168,6 +194,7 @@ class TestQueueContract:
 
     async def test_a_delayed_message_is_hidden_until_due(self, backend: Backend) -> None:
         q = backend.queue
+        needs_pull(q)
         await q.publish([msg(1)], delay_s=backend.delay_s)
         assert await q.receive(1, backend.lease_s) == []
         await backend.advance(backend.delay_s + 1)
@@ -176,6 +203,7 @@ class TestQueueContract:
 
     async def test_the_longest_delay_is_accepted(self, backend: Backend) -> None:
         q = backend.queue
+        needs_pull(q)
         longest = min(q.capabilities.max_delay_s, 7 * 86400.0)
         [mid] = await q.publish([msg(1)], delay_s=longest)
         assert mid
@@ -183,6 +211,7 @@ class TestQueueContract:
 
     async def test_a_delay_past_the_longest_is_refused(self, backend: Backend) -> None:
         q = backend.queue
+        needs_pull(q)
         if q.capabilities.max_delay_s == float("inf"):
             pytest.skip("this transport has no longest delay")
         with pytest.raises(QueueError):
@@ -190,6 +219,7 @@ class TestQueueContract:
 
     async def test_nack_hands_back_after_its_delay(self, backend: Backend) -> None:
         q = backend.queue
+        needs_pull(q)
         await q.publish([msg(1)])
         [d] = await q.receive(1, backend.lease_s)
         if not q.capabilities.nack:
@@ -205,6 +235,7 @@ class TestQueueContract:
     async def test_extend_keeps_a_message_held_past_its_first_timeout(
             self, backend: Backend) -> None:
         q = backend.queue
+        needs_pull(q)
         await q.publish([msg(1)])
         [d] = await q.receive(1, backend.lease_s)
         if not q.capabilities.extend:
@@ -218,6 +249,7 @@ class TestQueueContract:
 
     async def test_stats_only_where_declared(self, backend: Backend) -> None:
         q = backend.queue
+        needs_pull(q)
         await q.publish([msg(1), msg(2)])
         await q.publish([msg(3)], delay_s=backend.delay_s)
         if not q.capabilities.stats:
@@ -230,6 +262,7 @@ class TestQueueContract:
 
     async def test_a_publish_wakes_a_waiting_consumer(self, backend: Backend) -> None:
         q = backend.queue
+        needs_pull(q)
         assert await q.receive(1, backend.lease_s) == []
         waiter = asyncio.create_task(q.wait(30))
         await q.publish([msg(1)])
@@ -247,3 +280,46 @@ class TestQueueContract:
         assert caps.transactional_ack is isinstance(backend.queue, SqliteQueue | PostgresQueue)
         assert caps.max_delay_s >= 7 * 86400.0
         assert backend.queue.healthy
+
+    async def test_capabilities_declare_what_the_consumer_relies_on(
+            self, backend: Backend) -> None:
+        caps = backend.queue.capabilities
+        assert caps.default_prefetch >= 0
+        if not caps.pull:  # nothing is received: nothing to bill or keep in hand
+            assert (caps.billed, caps.default_prefetch) == (False, 0)
+
+    async def test_a_pushed_transport_hands_nothing_out(self, backend: Backend) -> None:
+        q = backend.queue
+        needs_push(q)
+        assert await q.receive(10, backend.lease_s) == []
+        await asyncio.wait_for(q.wait(0.01), 5)  # an idle poll returns, finding nothing
+        assert await q.receive(10, backend.lease_s) == []
+
+    async def test_a_pushed_transport_publishes_no_message_of_its_own(
+            self, backend: Backend) -> None:
+        """Its messages are published to the subscribed queue; it can only note, for a
+        delivery being answered, that its message is due again later."""
+        q = backend.queue
+        needs_push(q)
+        with pytest.raises(QueueError):
+            await q.publish([msg(1)])
+
+    async def test_a_pushed_delivery_refuses_what_it_does_not_declare(
+            self, backend: Backend) -> None:
+        """A delivery that arrived over HTTP: an ack of it (or of one already answered) is
+        no error; nack, extend and stats refuse cleanly unless declared."""
+        q = backend.queue
+        needs_push(q)
+        d = Delivery(msg(1), "m-1", "push/m-1/0")
+        await q.ack([d])
+        await q.ack([d])
+        caps = q.capabilities
+        if not caps.nack:
+            with pytest.raises(Unsupported):
+                await q.nack(d, 0.0)
+        if not caps.extend:
+            with pytest.raises(Unsupported):
+                await q.extend(d, backend.lease_s)
+        if not caps.stats:
+            with pytest.raises(Unsupported):
+                await q.stats()

@@ -18,7 +18,7 @@ from supervisor.budget import policy
 from supervisor.budget.base import Feedback, Grant, Outcome, Policy, RateBudget
 from supervisor.budget.local import LocalBudget, MemoryStore
 from supervisor.budget.policy import BudgetState
-from supervisor.config import LimitsConfig, QuotaConfig
+from supervisor.budget.settings import LimitsConfig, QuotaConfig
 from supervisor.postgres.budget import MIGRATIONS, PostgresBudget
 from supervisor.postgres.connect import create_pool, migrate
 from supervisor.sqlite.ledger import SqliteLedger

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import orjson
 import pytest
 
-from supervisor.config import Secret
+from supervisor import composition
+from supervisor.configtypes import Secret
 from supervisor.events.settings import SinkConfig
 from supervisor.events.sinks import MAX_BODY_BYTES, InfraiSink, Sink, SinkError, WebhookSink
 from supervisor.model import Event
-from supervisor.queue.infrai import InfraiQueue
 from tests.helpers import infrai_config, running_emulator
 from tests.receivers import HOOK_SECRET, Hook
 
@@ -69,8 +69,9 @@ async def infrai_rig() -> AsyncIterator[Rig]:
     async with running_emulator() as emulator:
         # Few, short retries: a refusal comes out as SinkError within a test's patience.
         config = infrai_config(emulator, max_attempts=2, max_retry_after_seconds=0.05)
-        sink = InfraiSink(SinkConfig(name="contract-infrai", kind="infrai", queue=QUEUE), config)
-        reader = InfraiQueue(infrai_config(emulator, queue=QUEUE, dead_letter_queue=""))
+        sink = InfraiSink(SinkConfig(name="contract-infrai", kind="infrai", queue=QUEUE),
+                          composition.infrai_channel(config, QUEUE))
+        reader = composition.infrai_channel(infrai_config(emulator), QUEUE)
         taken: list[Seen] = []
 
         async def seen() -> list[Seen]:

@@ -160,7 +160,7 @@ class Sandbox:
 # -- the Infrai queue emulator --------------------------------------------------------
 
 INFRAI_QUEUE = "cleanup-e2e"
-# The adapter keys each publish "pub-<operation id>-<random>" (supervisor/queue/infrai.py):
+# The adapter keys each publish "pub-<operation id>-<random>" (supervisor/infrai/queue.py):
 # the emulator's call log keeps no payloads, so this key is how a message is tied to its
 # operation from the emulator's side.
 _PUBLISH_KEY = re.compile(r"^pub-(?P<op>.+)-[0-9a-f]+$")

@@ -25,7 +25,7 @@ import pytest
 from supervisor.budget import policy
 from supervisor.budget.base import Feedback, Outcome, Policy
 from supervisor.budget.policy import BudgetState, PolicyConfig
-from supervisor.config import LimitsConfig, QuotaConfig
+from supervisor.budget.settings import LimitsConfig, QuotaConfig
 from supervisor.postgres import listen as pg_listen
 from supervisor.postgres.budget import MIGRATIONS, PostgresBudget
 from supervisor.postgres.connect import create_pool, migrate

@@ -212,7 +212,7 @@ async def test_a_ledger_of_the_previous_release_gains_the_bookkeeping(tmp_path: 
 async def test_exclusions_read_a_schedules_runs_through_an_index(db: Database) -> None:
     """However many runs a schedule has had, its newest and unfinished ones are two index
     ranges, never a scan of the runs table (issue 17, M7)."""
-    plan = await db.read(f"EXPLAIN QUERY PLAN {sql.SELECT_SCHEDULE_RUNS}", {"schedule": "w"})
+    plan = await db.read(f"EXPLAIN QUERY PLAN {sql.SELECT_SCHEDULE_RUNS}", ("w",))
     details = [str(r[3]) for r in plan]
     assert not [d for d in details if d.startswith("SCAN runs")], details
     searches = {d.partition(" (")[0] for d in details if d.startswith("SEARCH runs")}

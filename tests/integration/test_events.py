@@ -24,18 +24,13 @@ from prometheus_client import REGISTRY
 from cleanup_sandbox import SandboxConfig, run_sandbox
 from cleanup_sandbox.infrai import Emulator
 from cleanup_sandbox.state import recipient_ids
-from supervisor.config import (
-    Config,
-    InfraiConfig,
-    LimitsConfig,
-    PartnerConfig,
-    QueueConfig,
-    Secret,
-    ServiceConfig,
-    TriggerConfig,
-)
+from supervisor import composition
+from supervisor.authsettings import TriggerConfig
+from supervisor.budget.settings import LimitsConfig
+from supervisor.config import Config, PartnerConfig, ServiceConfig
+from supervisor.configtypes import Secret
 from supervisor.errors import IllegalTransition
-from supervisor.events.relay import EventRelay, SinkWorker
+from supervisor.events.relay import REFRESH_S, EventRelay, SinkWorker
 from supervisor.events.settings import EventsConfig, SinkConfig
 from supervisor.events.sinks import (
     SinkError,
@@ -44,8 +39,10 @@ from supervisor.events.sinks import (
     idempotency_key,
     signature,
 )
+from supervisor.infrai.channel import InfraiChannel
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Event, Settlement
-from supervisor.queue.infrai import InfraiQueue
+from supervisor.queue.settings import QueueConfig
 from supervisor.service import Service
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
@@ -84,7 +81,8 @@ def webhook(name: str, hook: Hook, **kw: Any) -> SinkConfig:
 async def running(relay: EventRelay) -> AsyncIterator[list[asyncio.Task[None]]]:
     """The relay's components as the supervisor runs them: one task each."""
     await relay.start()
-    tasks = [asyncio.create_task(factory(), name=name) for name, factory in relay.components()]
+    tasks = [asyncio.create_task(x.run(), name=x.name)
+             for x in relay.components() if x.run is not None]
     try:
         yield tasks
         for t in tasks:  # none may have died meanwhile
@@ -119,7 +117,14 @@ def first_seen(ids: list[str]) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-async def drain_queue(queue: InfraiQueue, into: list[dict[str, Any]]) -> None:
+def new_relay(config: EventsConfig, ledger: SqliteLedger,
+              infrai: InfraiConfig | None = None, refresh_s: float = REFRESH_S) -> EventRelay:
+    """A relay over the sinks the composition root builds for ``config``."""
+    sinks = composition.build_sinks(config, infrai or InfraiConfig())
+    return EventRelay(config, ledger, sinks, refresh_s=refresh_s)
+
+
+async def drain_queue(queue: InfraiChannel, into: list[dict[str, Any]]) -> None:
     while True:
         items = await queue.consume(10, 30)
         if not items:
@@ -177,7 +182,7 @@ async def test_the_relay_prunes_what_every_configured_sink_took(ledger: SqliteLe
     a, b = unique("prune-a"), unique("prune-b")
     config = events_config(webhook(a, hook), webhook(b, hook), retain_seconds=0,
                            prune_batch=4)
-    relay = EventRelay(config, InfraiConfig(), ledger)
+    relay = new_relay(config, ledger)
     await ledger.save_event_cursor(a, 25)
     await ledger.save_event_cursor(b, 18)
     assert await relay.prune() == 18  # 4 + 4 + 4 + 4 + 2: bounded batches
@@ -195,7 +200,7 @@ async def test_three_sinks_one_down_every_event_reaches_every_sink_once_in_order
     config = events_config(
         SinkConfig(name=q, kind="infrai", queue=EVENTS_QUEUE, batch_size=7),
         webhook(a, up, batch_size=5), webhook(b, down, batch_size=10))
-    relay = EventRelay(config, infrai_config(emulator), ledger, refresh_s=0.05)
+    relay = new_relay(config, ledger, infrai_config(emulator), refresh_s=0.05)
     failures_before = {s: sample("cleanup_events_sink_failures_total", s) for s in (q, a, b)}
     delivered_before = {s: sample("cleanup_events_delivered_total", s) for s in (q, a, b)}
     run = await open_run(ledger, ids=[f"r-{i:03d}" for i in range(60)])
@@ -236,12 +241,9 @@ async def test_three_sinks_one_down_every_event_reaches_every_sink_once_in_order
     await up.stop()
     await down.stop()
     queued: list[dict[str, Any]] = []
-    reader = InfraiQueue(infrai_config(emulator, queue=EVENTS_QUEUE, create_queues=False))
-    await reader.start()
-    try:
-        await drain_queue(reader, queued)
-    finally:
-        await reader.close()
+    async with composition.infrai_session(infrai_config(emulator, create_queues=False),
+                                          EVENTS_QUEUE) as channel:
+        await drain_queue(channel, queued)
     for sink_ids in ([e["id"] for e in queued], up.ids(), down.ids()):
         assert first_seen(sink_ids) == expected  # every event, in order, once after dedup
     assert up.bad_signatures == down.bad_signatures == 0
@@ -269,14 +271,14 @@ async def test_a_new_relay_resumes_at_the_stored_cursor(ledger: SqliteLedger) ->
     ops = await operation_ids(ledger, run.id)
     for op in ops[:10]:
         await settle(ledger, op, OpState.DELETED)
-    first = EventRelay(config, InfraiConfig(), ledger)
+    first = new_relay(config, ledger)
     async with running(first):
         await eventually(lambda: len(hook.events) == 10, what="the first ten")
         await eventually(lambda: first.workers[0].cursor == 10, what="the cursor")
     assert await ledger.event_cursor(name) == 10
     for op in ops[10:20]:
         await settle(ledger, op, OpState.DELETED)
-    second = EventRelay(config, InfraiConfig(), ledger)  # a restart: a new instance
+    second = new_relay(config, ledger)  # a restart: a new instance
     async with running(second):
         await eventually(lambda: len(hook.events) == 20, what="the next ten")
         await eventually(lambda: second.workers[0].cursor == 20, what="the cursor")
@@ -287,7 +289,7 @@ async def test_a_new_relay_resumes_at_the_stored_cursor(ledger: SqliteLedger) ->
     for op in ops[20:30]:
         await settle(ledger, op, OpState.DELETED)
     gate = hook.hold = asyncio.Event()
-    third = EventRelay(config, InfraiConfig(), ledger)
+    third = new_relay(config, ledger)
     async with running(third):
         await asyncio.wait_for(hook.held.wait(), 10)
     in_flight = hook.requests[-1][1]
@@ -295,7 +297,7 @@ async def test_a_new_relay_resumes_at_the_stored_cursor(ledger: SqliteLedger) ->
     assert await ledger.event_cursor(name) == 20
     hook.hold = None
     gate.set()  # the receiver's handler ends; its answer goes nowhere
-    fourth = EventRelay(config, InfraiConfig(), ledger)
+    fourth = new_relay(config, ledger)
     async with running(fourth):
         await eventually(lambda: fourth.workers[0].cursor == 30, what="the last ten")
     await hook.stop()
@@ -417,7 +419,7 @@ async def test_a_wrong_secret_is_refused_and_retried_not_skipped(ledger: SqliteL
     hook = Hook(secret="another-secret")
     await hook.start()
     name = unique("wrong-secret")
-    relay = EventRelay(events_config(webhook(name, hook)), InfraiConfig(), ledger)
+    relay = new_relay(events_config(webhook(name, hook)), ledger)
     run = await open_run(ledger, ids=["r-1"])
     await settle(ledger, (await operation_ids(ledger, run.id))[0], OpState.DELETED)
     async with running(relay):

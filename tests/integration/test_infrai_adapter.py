@@ -12,10 +12,11 @@ import pytest
 
 from cleanup_sandbox.infrai import Emulator
 from supervisor import metrics
-from supervisor.config import InfraiConfig, Secret
+from supervisor.configtypes import Secret
 from supervisor.errors import MessageTooLarge, QueueBlocked, QueueError
+from supervisor.infrai.queue import InfraiQueue
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Message
-from supervisor.queue.infrai import InfraiQueue
 from tests.helpers import EMU_KEY, infrai_config, msg
 
 
@@ -172,7 +173,7 @@ async def test_dead_letters_are_redriven(emulator: Emulator) -> None:
             nacks += 1
             assert nacks <= 2
         assert nacks >= 1
-        result = await q.redrive_dead_letters()
+        result = await q.channel.redrive_dead_letters()
         assert result["moved"] == 1
         [d] = await q.receive(1, 30)
         assert d.message == msg(1)

@@ -14,9 +14,10 @@ from croniter import croniter
 
 from cleanup_sandbox.infrai import Emulator
 from supervisor import config as config_module
-from supervisor.config import InfraiConfig, Secret
+from supervisor.configtypes import Secret
 from supervisor.infrai.client import InfraiClient
 from supervisor.infrai.cron import CronRefused, InfraiCron, check_expression
+from supervisor.infrai.settings import InfraiConfig
 from tests.helpers import infrai_config
 
 from .http_app import TOKEN, running_api

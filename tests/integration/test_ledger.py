@@ -104,6 +104,22 @@ async def test_concurrent_settlements_share_one_batch_and_only_an_illegal_one_fa
     assert await message_count(db) == 0
 
 
+async def test_budget_memory_is_saved_and_replaced(ledger: SqliteLedger) -> None:
+    """The in-process budget's memory (LocalBudget's MemoryStore): only this ledger keeps
+    one; PostgreSQL's budget is shared through its own table."""
+    key = "https://partner.example"
+    assert await ledger.load_budget(key) is None
+    data = {"limit": 10.0, "paused_until": None, "quota": {"used": 3, "window": "day"}}
+    await ledger.save_budget(key, data)
+    assert await ledger.load_budget(key) == data
+    await ledger.save_budget(key, {"limit": 5.0})
+    assert await ledger.load_budget(key) == {"limit": 5.0}  # replaced, not merged
+    assert await ledger.load_budget("https://other.example") is None
+    await ledger.save_budget("https://other.example", {})
+    assert await ledger.load_budget("https://other.example") == {}
+    assert await ledger.load_budget(key) == {"limit": 5.0}
+
+
 async def test_everything_survives_a_reopen(tmp_path: Path) -> None:
     path = tmp_path / "ledger.sqlite3"
     db = Database(path)

@@ -8,9 +8,11 @@ import asyncio
 from cleanup_sandbox import SandboxConfig, run_sandbox
 from supervisor import metrics
 from supervisor.budget.local import LocalBudget
-from supervisor.config import Config, LimitsConfig, PartnerConfig, QueueConfig
+from supervisor.budget.settings import LimitsConfig
+from supervisor.config import Config, PartnerConfig
 from supervisor.consumer import ConsumerPool
 from supervisor.partner import PartnerClient
+from supervisor.queue.settings import QueueConfig
 from supervisor.reconcile import Reconciler
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.sqlite.queue import SqliteQueue
@@ -56,10 +58,10 @@ async def test_a_restarted_pool_reports_only_its_live_workers(
                             partner, on_settled=lambda: None)
         try:
             for _ in range(2):  # a crash (the task cancelled), then the supervisor's restart
-                pool._wanted.clear()
+                pool.fetcher.wanted.clear()
                 task = asyncio.create_task(pool.run())
                 # A worker that starts waiting for a message says so: the pool is up.
-                await asyncio.wait_for(pool._wanted.wait(), 5)
+                await asyncio.wait_for(pool.fetcher.wanted.wait(), 5)
                 assert pool.running
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -9,7 +9,8 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from cleanup_sandbox import RunningSandbox, SandboxConfig, run_sandbox
-from supervisor.config import PartnerConfig, Secret
+from supervisor.config import PartnerConfig
+from supervisor.configtypes import Secret
 from supervisor.partner import PartnerClient, Presence, Verdict
 
 

@@ -26,22 +26,18 @@ from cleanup_sandbox.server import RunningSandbox
 from supervisor import cli
 from supervisor.budget.base import Feedback, Outcome
 from supervisor.budget.local import LocalBudget
-from supervisor.config import (
-    Config,
-    InfraiConfig,
-    LimitsConfig,
-    PartnerConfig,
-    QueueConfig,
-    Secret,
-    ServiceConfig,
-)
+from supervisor.budget.settings import LimitsConfig
+from supervisor.config import Config, PartnerConfig, ServiceConfig
+from supervisor.configtypes import Secret
 from supervisor.consumer import ConsumerPool
 from supervisor.http import ApiState, create_app
 from supervisor.infrai.client import InfraiClient, InfraiError
 from supervisor.infrai.push import SubscribeRefused, Subscription, check_url, subscribe
+from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Delivery, Message, Published
 from supervisor.partner import PartnerClient
-from supervisor.push import PushedQueue, PushReceiver, PushSettings
+from supervisor.push import PushedQueue, PushEntry, PushReceiver, PushSettings
+from supervisor.queue.settings import QueueConfig
 from supervisor.reconcile import Reconciler
 from supervisor.runs import RunOpener, RunWatch
 from supervisor.sqlite.database import Database
@@ -149,7 +145,7 @@ async def push_rig(tmp_path: Path, limits: LimitsConfig | None = None,
                          reconciler=Reconciler(cfg.partner, ledger, queue, budget, partner),
                          ready=lambda: (True, {}), runs_changed=RunWatch(),
                          current_rate=lambda: budget.snapshot().rate,
-                         push=PushReceiver(settings, {"ops": pool}))
+                         push=PushReceiver(settings, {"ops": PushEntry(pool, queue)}))
         client: TestClient[web.Request, web.Application] = TestClient(
             TestServer(create_app(state), host="127.0.0.1", port=0))
         await client.start_server()

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from supervisor.model import Disposition, Message, Settlement
-from supervisor.push import parse_delivery
+from supervisor.push import PushEntry, parse_delivery
 from supervisor.states import OpState
 from tests.helpers import writer_held
 
@@ -93,7 +93,7 @@ async def test_copies_under_other_message_ids_cannot_poison_a_retry_wait(
         copies = [parse_delivery(delivery_body(m, message_id=f"copy-{i}"))
                   for i in range(COPIES)]
         async with writer_held(rig.db) as release:
-            tasks = [asyncio.create_task(rig.pool.handle_pushed(d)) for d in copies]
+            tasks = [asyncio.create_task(PushEntry(rig.pool, rig.queue).handle_pushed(d)) for d in copies]
             await asyncio.sleep(0)  # each has queued its receive behind the held writer
             await release()
         outcomes = await asyncio.gather(*tasks)
@@ -162,7 +162,7 @@ async def test_replays_and_redeliveries_during_an_attempt_leave_it_alone(
 @pytest.mark.parametrize("deliveries", [10_000])
 async def test_the_pool_keeps_nothing_per_pushed_delivery(tmp_path: Path,
                                                            deliveries: int) -> None:
-    """10,000 deliveries through handle_pushed and the real ledger: some settle at the
+    """10,000 deliveries through the push entry and the real ledger: some settle at the
     partner, most are deferred (a retry not yet due), some find their operation settled.
     What the pool and its queue track stays flat, at nothing once each is answered."""
     async with push_rig(tmp_path) as rig:
@@ -178,16 +178,17 @@ async def test_the_pool_keeps_nothing_per_pushed_delivery(tmp_path: Path,
                 m.operation_id, OpState.RETRY_WAIT, d, Disposition.RETRY, delay_s=3600,
                 attempt_id=attempt, status=503, outcome="transient", detail="HTTP 503")])
         pool, queue = rig.pool, rig.queue
+        entry = PushEntry(pool, queue)
         sizes = []
         batch = 100
         for start in range(0, deliveries, batch):
             chunk = [parse_delivery(delivery_body(rig.messages[i % len(rig.messages)],
                                                   message_id=f"m-{i}"))
                      for i in range(start, start + batch)]
-            outcomes = await asyncio.gather(*(pool.handle_pushed(d) for d in chunk))
+            outcomes = await asyncio.gather(*(entry.handle_pushed(d) for d in chunk))
             assert {o.status for o in outcomes} <= {200, 503}, outcomes
             if (start + batch) % 1000 == 0:
-                sizes.append((len(pool._moved), len(pool._held), len(queue._open),
+                sizes.append((len(pool.settler.moved), len(pool.fetcher.held), len(queue._open),
                               len(pool._phases)))
         assert len(sizes) == deliveries // 1000
         assert set(sizes) == {(0, 0, 0, 0)}, sizes

@@ -13,7 +13,8 @@ import pytest
 from cleanup_sandbox import SandboxConfig, run_sandbox
 from supervisor import metrics
 from supervisor.budget.local import LocalBudget
-from supervisor.config import LimitsConfig, PartnerConfig
+from supervisor.budget.settings import LimitsConfig
+from supervisor.config import PartnerConfig
 from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient, Presence
 from supervisor.reconcile import Reconciler

@@ -13,12 +13,14 @@ import pytest
 from cleanup_sandbox import SandboxConfig, run_sandbox
 from supervisor import metrics
 from supervisor.budget.local import LocalBudget
-from supervisor.config import Config, LimitsConfig, PartnerConfig, QueueConfig
+from supervisor.budget.settings import LimitsConfig
+from supervisor.config import Config, PartnerConfig
 from supervisor.consumer import ConsumerPool
 from supervisor.errors import StorageError
 from supervisor.model import Message, QueueStats
 from supervisor.partner import PartnerClient
 from supervisor.queue.courier import Courier
+from supervisor.queue.settings import QueueConfig
 from supervisor.redrive import Redriver
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger

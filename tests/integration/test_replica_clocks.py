@@ -34,7 +34,7 @@ SKEW = "+90s"
 FAST_REPLICA = """
 import asyncio, json, sys, time
 from supervisor.errors import OperationBusy
-from supervisor.ledger import pg_sql
+from supervisor.postgres import sql as pg_sql
 from supervisor.postgres.database import PgDatabase
 from supervisor.postgres.ledger import PostgresLedger
 from supervisor.ledger.settings import LedgerConfig

@@ -194,7 +194,7 @@ async def test_http_source_skips_garbage_and_sees_every_real_id_once(
 
 
 async def test_http_source_sends_the_token(session: aiohttp.ClientSession) -> None:
-    from supervisor.config import Secret
+    from supervisor.configtypes import Secret
 
     async with run_sandbox(SandboxConfig(recipients=3, token="src-token")) as sb:
         with pytest.raises(SourceError, match="HTTP 401"):

@@ -11,36 +11,31 @@ from pathlib import Path
 import pytest
 
 from cleanup_sandbox.infrai import Emulator
-from supervisor import metrics
-from supervisor.queue.infrai import InfraiQueue
+from supervisor import composition, metrics
 from supervisor.runs import RunOpener
 from supervisor.sqlite.ledger import SqliteLedger
-from supervisor.ticks import TickPuller, publish_tick, tick_from
+from supervisor.ticks import TickPuller, TickSource, publish_tick, tick_from
 from tests.helpers import infrai_config
 
 from .http_app import load_config
 
 
 @pytest.fixture
-async def ticks(emulator: Emulator) -> AsyncIterator[InfraiQueue]:
-    q = InfraiQueue(infrai_config(emulator, queue="ticks",
-                                 dead_letter_queue=""))
-    await q.start()
-    try:
-        yield q
-    finally:
-        await q.close()
+async def ticks(emulator: Emulator) -> AsyncIterator[TickSource]:
+    async with composition.infrai_session(infrai_config(emulator, queue="work"),
+                                          "ticks") as channel:
+        yield composition.tick_source(channel)
 
 
 async def test_a_tick_delivered_three_times_opens_one_run(
-        ledger: SqliteLedger, ticks: InfraiQueue, emulator: Emulator, tmp_path: Path) -> None:
+        ledger: SqliteLedger, ticks: TickSource, emulator: Emulator, tmp_path: Path) -> None:
     cfg = load_config(tmp_path, source__kind="file", source__path=str(tmp_path / "x.jsonl"))
     puller = TickPuller(ticks, RunOpener(cfg, ledger, asyncio.Event()), "weekly", 30)
     slot = {"schedule": "weekly", "scheduled_for": "2026-11-30T02:00:00+00:00"}
     for _ in range(3):  # a relay retrying, two systems publishing the same slot
         await publish_tick(ticks, slot)
     malformed = metrics.TICKS.labels("malformed")._value.get()
-    await ticks.publish_payload({"schedule": "weekly", "scheduled_for": "monday"})
+    await ticks.put({"schedule": "weekly", "scheduled_for": "monday"})
     assert await puller.pull() == 4
     [run] = await ledger.list_runs(10)
     assert run.tick_key == "weekly@2026-11-30T02:00:00+00:00"
@@ -52,7 +47,7 @@ async def test_a_tick_delivered_three_times_opens_one_run(
 
 
 async def test_an_unslotted_tick_takes_its_slot_from_the_expression(
-        ledger: SqliteLedger, ticks: InfraiQueue, tmp_path: Path) -> None:
+        ledger: SqliteLedger, ticks: TickSource, tmp_path: Path) -> None:
     cfg = load_config(tmp_path, schedule__cron="0 2 * * 1", schedule__clock="external",
                       source__kind="file", source__path=str(tmp_path / "x.jsonl"))
     puller = TickPuller(ticks, RunOpener(cfg, ledger, asyncio.Event()), "weekly", 30)
@@ -89,7 +84,7 @@ def test_a_bad_tick_names_its_field(payload: object, problem: str) -> None:
 
 
 async def test_a_tick_a_later_slot_has_superseded_is_dropped(
-        ledger: SqliteLedger, ticks: InfraiQueue, tmp_path: Path) -> None:
+        ledger: SqliteLedger, ticks: TickSource, tmp_path: Path) -> None:
     """Infrai kept ticks while nothing pulled: missed slots are not caught up one by one."""
     cfg = load_config(tmp_path, schedule__cron="0 2 * * 1", schedule__clock="external",
                       source__kind="file", source__path=str(tmp_path / "x.jsonl"))
@@ -104,7 +99,7 @@ async def test_a_tick_a_later_slot_has_superseded_is_dropped(
 
 
 async def test_a_poisoned_tick_is_acked_and_counted_not_redelivered_forever(
-        ledger: SqliteLedger, ticks: InfraiQueue, emulator: Emulator, tmp_path: Path) -> None:
+        ledger: SqliteLedger, ticks: TickSource, emulator: Emulator, tmp_path: Path) -> None:
     """A slot without a UTC instant used to crash the puller before its ack, every lease,
     forever; now it is said, counted and acked, and the good tick behind it opens its run."""
     cfg = load_config(tmp_path, source__kind="file", source__path=str(tmp_path / "x.jsonl"))
@@ -113,7 +108,7 @@ async def test_a_poisoned_tick_is_acked_and_counted_not_redelivered_forever(
     for bad in ({"scheduled_for": "0001-01-01T00:00:00+01:00"},
                 {"scheduled_for": "9999-12-31T23:59:59-01:00"},
                 {"schedule": "weekly\nforged line"}):
-        await ticks.publish_payload(bad)
+        await ticks.put(bad)
     await publish_tick(ticks, {"schedule": "weekly",
                                "scheduled_for": "2026-11-30T02:00:00+00:00"})
     assert await puller.pull() == 4

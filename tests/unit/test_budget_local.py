@@ -13,11 +13,12 @@ import pytest
 from aiolimiter import AsyncLimiter
 
 from supervisor import metrics
+from supervisor.budget import gauges
 from supervisor.budget.announced import MAX_ANNOUNCED
 from supervisor.budget.base import Feedback, Outcome, Policy
 from supervisor.budget.concurrency import GradientLimit
 from supervisor.budget.local import LocalBudget, tune_bucket
-from supervisor.config import LimitsConfig, QuotaConfig
+from supervisor.budget.settings import LimitsConfig, QuotaConfig
 
 
 def budget(**overrides: Any) -> LocalBudget:
@@ -169,7 +170,7 @@ async def test_partner_named_policies_are_bounded_in_memory_and_in_metric_labels
         grant = await b.acquire()
         named = Policy(f"p{i}", 10, 3600.0, remaining=5, reset_s=600.0)
         b.release(grant, Feedback(Outcome.OK, 0.001, policies=(named,)))
-        metrics.publish_budget(b.snapshot())
+        gauges.publish_budget(b.snapshot())
     names = [q.name for q in b.snapshot().quotas]
     assert len(names) == MAX_ANNOUNCED
     assert names == [f"p{i}" for i in range(40 - MAX_ANNOUNCED, 40)]  # the oldest went

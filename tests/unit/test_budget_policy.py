@@ -25,7 +25,7 @@ from supervisor.budget.policy import (
     remembered,
     step,
 )
-from supervisor.config import LimitsConfig
+from supervisor.budget.settings import LimitsConfig
 
 T0 = 1_800_000_000.0
 

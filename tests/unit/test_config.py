@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from supervisor import config
-from supervisor.config import Config, Secret
+from supervisor.config import Config
+from supervisor.configtypes import Secret
 from supervisor.errors import EXIT_USAGE, ConfigError
 
 TOKEN_ENV = {"CLEANUP_TRIGGER_TOKEN": "trigger-secret-0123456789abcdef0123"}

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from supervisor import config
-from supervisor.config import Secret, StatusConfig
+from supervisor.authsettings import StatusConfig
+from supervisor.configtypes import Secret
 from supervisor.errors import ConfigError
 
 TOKEN_ENV = {"CLEANUP_TRIGGER_TOKEN": "trigger-secret-0123456789abcdef0123"}

@@ -1,0 +1,80 @@
+"""Writing an outcome, then moving its message: the ledger's settlement and what the
+transport still needs after it (:class:`~supervisor.queue.courier.Courier`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from supervisor import metrics
+from supervisor.ledger.base import Ledger
+from supervisor.model import Delivery, Disposition, Operation, Settlement
+from supervisor.partner import Answer
+from supervisor.queue.courier import Courier
+from supervisor.states import SETTLED, OpState
+
+log = logging.getLogger(__name__)
+
+
+class Settler:
+    def __init__(self, ledger: Ledger, courier: Courier, on_settled: Callable[[], None]) -> None:
+        self.ledger = ledger
+        self.courier = courier
+        self._on_settled = on_settled
+        self.settled = 0
+        # Deliveries whose message was acked or published again: nothing to hand back.
+        self.moved: set[str] = set()
+
+    async def settle(self, delivery: Delivery, op: Operation, target: OpState,
+                     reason: str | None, attempt_id: int | None = None,
+                     answer: Answer | None = None, *,
+                     disposition: Disposition = Disposition.ACK, delay_s: float = 0.0,
+                     refund: bool = False) -> None:
+        settlement = Settlement(
+            operation_id=op.id, target=target, delivery=delivery, disposition=disposition,
+            delay_s=delay_s, reason=reason, attempt_id=attempt_id,
+            status=answer.status if answer else None,
+            outcome=answer.verdict.value if answer else None,
+            detail=answer.detail if answer else None, refund_attempt=refund)
+        # The commit must not be torn by a shutdown cancelling this worker: it runs in a
+        # task of its own, awaited to the end either way. What the transport still needs
+        # after it may be cut short (a lost ack is redelivered and acked on sight).
+        commit = asyncio.ensure_future(self.ledger.settle([settlement]))
+        try:
+            leftover = await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            await asyncio.wait([commit])
+            if disposition is Disposition.ACK:
+                # Settled, its ack not sent: it comes back and is acked on sight; a copy
+                # handed back now would only be one more.
+                self.moved.add(delivery.receipt)
+            raise
+        if disposition is not Disposition.KEEP:
+            self.moved.add(delivery.receipt)
+        await self.courier.follow_up(leftover)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("operation %s -> %s (%s)", op.id, target.value,
+                      answer.detail if answer else reason,
+                      extra={"operation_id": op.id, "run_id": op.run_id, "action": "settle"})
+        if target in SETTLED:
+            metrics.count_settled(target.value)
+            self.settled += 1
+            self._on_settled()
+
+    async def defer(self, delivery: Delivery, delay_s: float) -> None:
+        """Publish the message again for ``delay_s`` from now and ack this copy; a
+        shutdown does not cut it short, and nothing is handed back after it."""
+        self.moved.add(delivery.receipt)
+        move = asyncio.ensure_future(self.courier.defer(delivery, delay_s))
+        try:
+            await asyncio.shield(move)
+        except asyncio.CancelledError:
+            await asyncio.wait([move])
+            raise
+
+    async def hand_back(self, delivery: Delivery) -> None:
+        """Shutdown: the message back to the transport now, not when its lease runs out,
+        unless it was acked or published again already."""
+        if delivery.receipt not in self.moved:
+            await asyncio.shield(self.courier.hand_back(delivery))

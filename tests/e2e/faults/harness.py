@@ -404,19 +404,6 @@ async def check_infrai(infrai: Infrai, rows: LedgerRows,
     return messages, emulator
 
 
-async def cli(e2e: E2E, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """Run the console script to completion in ``env``; return (exit code, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "supervisor", *args, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=e2e.env if env is None else env)
-    e2e.processes.add(proc)
-    async with asyncio.timeout(30):
-        out, err = await proc.communicate()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
 async def control_after(sandbox: Sandbox, *, executions: int | None = None,
                         requests: int | None = None, within_s: float = 30.0,
                         **changes: float) -> dict[str, Any]:

@@ -1,10 +1,18 @@
 # Two commands on a fresh machine with Python 3.11+: `make demo` and `make test`.
+#
+#   make check    the fast loop, under 90 s: lint, types, import contracts, then the unit
+#                 and contract tests on SQLite (no PostgreSQL case, no end-to-end process)
+#   make unit     every test but the end-to-end suite (unit, contract, integration,
+#                 sandbox; PostgreSQL included): the tests marked e2e left out
+#   make test     everything: lint, types, import contracts and every test (e2e and the
+#                 fault suite included, 12-13 minutes)
+#   make lint | typecheck | imports   one check each
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo scale-demo test lint typecheck unit bench clean
+.PHONY: demo scale-demo check test lint typecheck imports unit bench clean
 
 $(STAMP): pyproject.toml sandbox/pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -27,10 +35,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict supervisor sandbox/cleanup_sandbox
 
-unit: $(STAMP)
-	$(BIN)/pytest tests -q
+# The layering contracts of [tool.importlinter] in pyproject.toml.
+imports: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 
-test: lint typecheck unit
+check: lint typecheck imports
+	$(BIN)/pytest tests/unit tests/contract -q -m "not postgres"
+
+unit: $(STAMP)
+	$(BIN)/pytest tests -q -m "not e2e"
+
+test: lint typecheck imports
+	$(BIN)/pytest tests -q
 
 # Not part of `test`: about 29 minutes (8 partner cells x 4 runs, peers on 2 cells, growth);
 # bench/infrai.py (17 min) and bench/history.py (1 min) run on their own;

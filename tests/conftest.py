@@ -1,4 +1,6 @@
-"""Fixtures every suite shares: a PostgreSQL schema of its own per test.
+"""Fixtures every suite shares: a SQLite ledger file in tmp_path and the embedded queue on
+it, the Infrai emulator in process, and a PostgreSQL schema of its own per test. The plain
+helpers they are built on are in tests/helpers.py.
 
 The PostgreSQL tests run against the server on this machine (127.0.0.1:5432, user
 postgres, trust auth) or the one ``CLEANUP_TEST_PG_DSN`` names. Where none answers they
@@ -12,9 +14,80 @@ import os
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
+
+from cleanup_sandbox.infrai import Emulator
+from supervisor.sqlite.database import Database
+from supervisor.sqlite.ledger import SqliteLedger
+from supervisor.sqlite.queue import SqliteQueue
+from tests.helpers import HoldWriter, running_emulator, writer_held
+
+# -- SQLite: the ledger file and the embedded queue on it -------------------------------------
+
+
+@pytest.fixture
+async def db(tmp_path: Path) -> AsyncIterator[Database]:
+    database = Database(tmp_path / "data" / "cleanup.sqlite3")
+    await database.open()
+    try:
+        yield database
+    finally:
+        await database.close()
+
+
+@pytest.fixture
+def ledger(db: Database) -> SqliteLedger:
+    return SqliteLedger(db, owns_queue=True)
+
+
+@pytest.fixture
+def queue(db: Database) -> SqliteQueue:
+    return SqliteQueue(db)
+
+
+@pytest.fixture
+def hold_writer(db: Database) -> HoldWriter:
+    return lambda: writer_held(db)
+
+
+# -- the Infrai emulator ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def emulator_options() -> dict[str, Any]:
+    """What the ``emulator`` fixture's EmulatorConfig sets beyond the API key; a module
+    overrides this fixture to shape its emulator."""
+    return {}
+
+
+@pytest.fixture
+async def emulator(emulator_options: dict[str, Any]) -> AsyncIterator[Emulator]:
+    async with running_emulator(**emulator_options) as emu:
+        yield emu
+
+
+# -- PostgreSQL ------------------------------------------------------------------------------
+
+def _uses_postgres(item: pytest.Item) -> bool:
+    """A case that asks for the ``pg`` schema, directly or through a backend parameter
+    named after PostgreSQL (the contract classes pick their backend by name)."""
+    if "pg" in getattr(item, "fixturenames", ()):
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(
+        isinstance(v, str) and v.startswith("postgres") for v in callspec.params.values())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # `-m "not postgres"` (make check) leaves out every case that needs the server.
+    for item in items:
+        if _uses_postgres(item):
+            item.add_marker(pytest.mark.postgres)
+
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 _reachable: bool | None = None

@@ -25,11 +25,9 @@ from typing import Any
 import pytest
 
 from cleanup_sandbox.infrai import EmulatorConfig, start_emulator
-from supervisor.configtypes import Secret
 from supervisor.errors import QueueError
 from supervisor.infrai.queue import InfraiQueue
-from supervisor.infrai.settings import InfraiConfig
-from supervisor.model import Delivery, Message
+from supervisor.model import Delivery
 from supervisor.postgres import sql as pg_sql
 from supervisor.postgres.database import PgDatabase
 from supervisor.postgres.queue import PostgresQueue
@@ -37,8 +35,7 @@ from supervisor.push import PushedQueue
 from supervisor.queue.base import Queue, Unsupported
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.queue import SqliteQueue
-
-KEY = "ifr_contract_key"
+from tests.helpers import EMU_KEY, infrai_config, msg
 
 
 @dataclass
@@ -100,15 +97,14 @@ async def backend(transport: tuple[str, Any], tmp_path: Path) -> AsyncIterator[B
             await pgdb.close()
         return
     mix = INFRAI_MIXES[name]
-    emulator = await start_emulator(EmulatorConfig(api_key=KEY, **mix))  # type: ignore[arg-type]
+    emulator = await start_emulator(EmulatorConfig(api_key=EMU_KEY, **mix))  # type: ignore[arg-type]
 
     async def advance(seconds: float) -> None:
         emulator.advance(seconds)
 
-    config = InfraiConfig(base_url=emulator.url, token=Secret(KEY), queue="contract",
-                          nack_path=str(mix.get("nack_route") or ""),
-                          extend_path=str(mix.get("extend_route") or ""),
-                          backoff_initial_seconds=0.01, backoff_max_seconds=0.05)
+    config = infrai_config(emulator, queue="contract",
+                           nack_path=str(mix.get("nack_route") or ""),
+                           extend_path=str(mix.get("extend_route") or ""))
     queue = InfraiQueue(config)
     await queue.start()
     try:
@@ -116,10 +112,6 @@ async def backend(transport: tuple[str, Any], tmp_path: Path) -> AsyncIterator[B
     finally:
         await queue.close()
         await emulator.close()
-
-
-def msg(i: int) -> Message:
-    return Message(run_id="run_1", operation_id=f"op_{i}", recipient_id=f"r-{i}")
 
 
 def needs_pull(q: Queue) -> None:
@@ -189,6 +181,8 @@ class TestQueueContract:
         [d] = await q.receive(1, backend.lease_s)
         await q.ack([d])
         await q.ack([d])
+        await backend.advance(backend.lease_s * 2 + 1)
+        assert await q.receive(1, backend.lease_s) == []  # acked: never delivered again
 
     async def test_a_delayed_message_is_hidden_until_due(self, backend: Backend) -> None:
         q = backend.queue

@@ -117,6 +117,10 @@ class TestRateBudgetContract:
         await asyncio.sleep(0)  # one turn of the loop: the waiter starts (or not: either way)
         waiter.cancel()
         budget.release(grant, Feedback(Outcome.OK, 0.001))
+        # Let the cancellation land: a slot the release handed to the waiter would only be
+        # counted once the waiter has run.
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
         assert budget.snapshot().in_flight == 0
 
     async def test_admit_takes_the_slot_and_waits_out_a_hold_grant_paces(

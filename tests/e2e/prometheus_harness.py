@@ -14,9 +14,9 @@ import asyncio
 import math
 import re
 import shutil
-import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,7 +24,10 @@ import aiohttp
 import orjson
 import pytest
 import yaml
-from conftest import E2E, Service, free_port
+
+from tests import helpers
+from tests.e2e.harness import E2E, Service
+from tests.helpers import free_port
 
 PACKAGING = Path(__file__).resolve().parents[2] / "packaging"
 ALERT_RULES = PACKAGING / "alerts.yml"
@@ -54,22 +57,9 @@ def alert_rules() -> list[dict[str, Any]]:
     return [rule for group in doc["groups"] for rule in group["rules"] if "alert" in rule]
 
 
-async def eventually(probe: Callable[[], Awaitable[T | None]], within_s: float,
-                     what: str, every_s: float = 0.1) -> T:
-    """Poll ``probe`` until it returns something other than None. Prometheus's samples and
-    the gauges it scrapes have no event to await: a deadline bounds the wait."""
-    deadline = time.monotonic() + within_s
-    last: Any = None
-    while True:
-        try:
-            found = await probe()
-        except (aiohttp.ClientError, OSError) as exc:  # not listening yet
-            found, last = None, exc
-        if found is not None:
-            return found
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what}: not within {within_s}s (last error: {last})")
-        await asyncio.sleep(every_s)
+# Prometheus's samples and the gauges it scrapes have no event to await: poll each 100 ms
+# until the deadline, a server not listening yet counting as "not yet".
+eventually = partial(helpers.eventually, every_s=0.1, ignoring=(aiohttp.ClientError, OSError))
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
-from conftest import E2E, Metrics, Sandbox, Sections, Service, merge
 
 from supervisor.postgres.database import PgDatabase
 from supervisor.postgres.ledger import PostgresLedger
+from tests.e2e.harness import E2E, Sandbox, Sections, Service, merge
+from tests.helpers import Metrics
 
 SINGLETONS = ("scan", "publisher", "redrive", "monitor")
 

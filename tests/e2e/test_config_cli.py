@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port, toml_text
+
+from tests.e2e.harness import toml_text
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.e2e
 

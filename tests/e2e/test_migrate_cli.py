@@ -7,7 +7,8 @@ from typing import Any
 
 import asyncpg
 import pytest
-from conftest import E2E, toml_text
+
+from tests.e2e.harness import E2E, toml_text
 
 pytestmark = pytest.mark.e2e
 

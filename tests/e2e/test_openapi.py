@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import E2E
+
+from tests.e2e.harness import E2E
 
 pytestmark = pytest.mark.e2e
 

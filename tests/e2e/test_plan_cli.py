@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from conftest import toml_text
+
+from tests.e2e.harness import toml_text
 
 pytestmark = pytest.mark.e2e
 

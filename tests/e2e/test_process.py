@@ -10,7 +10,8 @@ import time
 
 import orjson
 import pytest
-from conftest import free_port
+
+from tests.helpers import eventually, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -22,10 +23,11 @@ async def test_ready_gauge_reads_1_on_a_service_nothing_polls(e2e):
     # say ready, or CleanupNotReady pages on every healthy install.
     svc = e2e.service(None, {"source": {"kind": "inline"}})
     await svc.start()
-    deadline = time.monotonic() + 5
-    while (await svc.metrics()).value("cleanup_ready") != 1:
-        assert time.monotonic() < deadline, "cleanup_ready never became 1"
-        await asyncio.sleep(0.05)  # a gauge refreshed each second: nothing to await
+    # A gauge refreshed each second: nothing to await.
+    async def ready() -> bool:
+        return (await svc.metrics()).value("cleanup_ready") == 1
+
+    await eventually(ready, within_s=5.0, what="cleanup_ready to read 1", every_s=0.05)
     status, _ = await svc.request("GET", "/healthz", auth=False)
     assert status == 200
 

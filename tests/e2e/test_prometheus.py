@@ -24,8 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import E2E, Sandbox, Sections, Service, merge
-from prometheus_harness import (
+
+from cleanup_sandbox.sink import WebhookSink
+from supervisor.monitor import REFRESH_S
+from supervisor.states import TERMINAL
+from tests.e2e.harness import E2E, Sandbox, Sections, Service, merge
+from tests.e2e.prometheus_harness import (
     JOB,
     REPLICAS_ROW,
     SCRAPE_S,
@@ -37,11 +41,7 @@ from prometheus_harness import (
     eventually,
     start_prometheus,
 )
-from replica_harness import replica_overrides
-
-from cleanup_sandbox.sink import WebhookSink
-from supervisor.monitor import REFRESH_S
-from supervisor.states import TERMINAL
+from tests.e2e.replica_harness import replica_overrides
 
 pytestmark = pytest.mark.e2e
 

@@ -8,13 +8,19 @@ drain resumes by itself when the window frees.
 
 from __future__ import annotations
 
-import asyncio
 import time
+
+import pytest
+
+from tests.e2e.harness import E2E
+from tests.helpers import Metrics, eventually
+
+pytestmark = pytest.mark.e2e
 
 LIMIT, WINDOW_S, POPULATION = 25, 3.0, 60
 
 
-async def test_a_spent_quota_holds_the_drain_until_its_window_frees(e2e) -> None:
+async def test_a_spent_quota_holds_the_drain_until_its_window_frees(e2e: E2E) -> None:
     sandbox = await e2e.sandbox("--recipients", POPULATION, "--rate", 200, "--burst", 10,
                                 "--quota", f"{LIMIT}/{WINDOW_S:g}", "--absent-share", 0)
     svc = e2e.service(sandbox, {"limits": {
@@ -27,14 +33,13 @@ async def test_a_spent_quota_holds_the_drain_until_its_window_frees(e2e) -> None
 
     # Spent: the gauge says so and the projection moves past the window's end, which the
     # monitor publishes within a refresh (about a second).
-    m = None
-    for _ in range(40):
+    async def spent() -> Metrics | None:
         m = await svc.metrics()
-        if m.get("cleanup_limiter_quota_remaining", -1, policy="short") == 0 and \
-                m.get("cleanup_run_projected_finish_timestamp_seconds") > 0:
-            break
-        await asyncio.sleep(0.1)  # polling a scrape, as Prometheus would
-    assert m is not None
+        return m if (m.get("cleanup_limiter_quota_remaining", -1, policy="short") == 0 and
+                     m.get("cleanup_run_projected_finish_timestamp_seconds") > 0) else None
+
+    # Polling a scrape, as Prometheus would; failing the test if not within the bound.
+    m = await eventually(spent, within_s=4.0, what="the spent quota on /metrics", every_s=0.1)
     assert m.value("cleanup_limiter_quota_remaining", policy="short") == 0
     reset = m.value("cleanup_limiter_quota_reset_timestamp_seconds", policy="short")
     assert reset >= started + WINDOW_S

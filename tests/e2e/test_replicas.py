@@ -14,8 +14,9 @@ import time
 from typing import Any
 
 import pytest
-from conftest import E2E
-from replica_harness import (
+
+from tests.e2e.harness import E2E
+from tests.e2e.replica_harness import (
     ledger_reader,
     max_per_window,
     metrics_of,

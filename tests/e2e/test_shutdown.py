@@ -69,14 +69,14 @@ async def test_sigterm_lets_requests_in_the_air_finish_and_exits_0(e2e):
     # Nothing in the air was lost: every DELETE the partner executed has its outcome in the
     # ledger, no attempt is left open, no lease is left held.
     at_exit = await sandbox.stats()
-    ledger = svc.ledger_snapshot()
-    settled = ledger["states"].get("deleted", 0) + ledger["states"].get("already_absent", 0)
+    ledger = svc.ledger()
+    settled = ledger.states.get("deleted", 0) + ledger.states.get("already_absent", 0)
     assert settled == at_exit["executions"], (ledger, at_exit)
     assert at_exit["executions"] == at_exit["requests"], at_exit  # every request completed
-    assert ledger["open_attempts"] == 0, ledger
-    assert ledger["states"].get("in_flight", 0) == 0, ledger
-    assert ledger["leased"] == 0, ledger
-    assert ledger["messages"] == POPULATION - settled, ledger
+    assert ledger.open_attempts == 0, ledger
+    assert ledger.states.get("in_flight", 0) == 0, ledger
+    assert ledger.leased == 0, ledger
+    assert ledger.messages == POPULATION - settled, ledger
 
     await sandbox.control(latency_ms=0)
     await svc.start()
@@ -103,10 +103,10 @@ async def test_sigterm_cuts_off_requests_outlasting_the_grace(e2e):
 
     # The cut-off requests may yet act: their attempts stay open (so the restart resends
     # them with the same key), but their messages were handed back, not left leased.
-    ledger = svc.ledger_snapshot()
-    assert ledger["open_attempts"] == cut, ledger
-    assert ledger["states"].get("in_flight", 0) == cut, ledger
-    assert ledger["leased"] == 0, ledger
+    ledger = svc.ledger()
+    assert ledger.open_attempts == cut, ledger
+    assert ledger.states.get("in_flight", 0) == cut, ledger
+    assert ledger.leased == 0, ledger
 
     await sandbox.control(latency_ms=0)
     await svc.start()
@@ -155,9 +155,9 @@ async def test_sigterm_mid_scan_keeps_the_committed_pages(e2e):
     assert await sp.wait_exit() == 0
     # The page being read is abandoned, not waited for.
     assert time.monotonic() - signalled < 2.5 + 3.0  # a loaded machine's exit
-    ledger = svc.ledger_snapshot()
-    assert ledger["open_attempts"] == 0, ledger
-    assert ledger["leased"] == 0, ledger
+    ledger = svc.ledger()
+    assert ledger.open_attempts == 0, ledger
+    assert ledger.leased == 0, ledger
 
     await svc.start()
     run = await svc.wait_done(run_id)
@@ -184,10 +184,10 @@ async def test_sigterm_during_a_retry_after_pause_does_not_wait_it_out(e2e):
     assert await sp.wait_exit() == 0
     # Workers held by the pause have nothing in the air: they are not waited for.
     assert time.monotonic() - signalled < 8.0  # not the 16 s pause
-    ledger = svc.ledger_snapshot()
-    assert ledger["open_attempts"] == 0, ledger  # the throttled attempts are recorded
-    assert ledger["leased"] == 0, ledger
-    assert ledger["states"].get("in_flight", 0) == 0, ledger
+    ledger = svc.ledger()
+    assert ledger.open_attempts == 0, ledger  # the throttled attempts are recorded
+    assert ledger.leased == 0, ledger
+    assert ledger.states.get("in_flight", 0) == 0, ledger
 
     # The partner lifts its storm early, but the next process remembers the pause it
     # announced and sends nothing before it ends.

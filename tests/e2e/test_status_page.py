@@ -22,7 +22,8 @@ from typing import Any
 
 import orjson
 import pytest
-from conftest import E2E, Service
+
+from tests.e2e.harness import E2E, Service
 
 pytestmark = pytest.mark.e2e
 

@@ -21,26 +21,25 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from cleanup_sandbox import SandboxConfig, run_sandbox
-from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from cleanup_sandbox.infrai import Emulator
 from supervisor.budget.local import LocalBudget
 from supervisor.budget.settings import LimitsConfig
 from supervisor.config import Config, PartnerConfig
-from supervisor.configtypes import Secret
 from supervisor.consumer import ConsumerPool
 from supervisor.infrai.queue import InfraiQueue
-from supervisor.infrai.settings import InfraiConfig
 from supervisor.partner import PartnerClient
 from supervisor.queue.courier import Courier
 from supervisor.queue.settings import QueueConfig
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.states import TERMINAL, OpState
+from tests.helpers import infrai_config
 
-KEY = "ifr_ownership_key"
 # What the first pool takes in one receive (its idle workers and its prefetch).
 WORKERS = 6
 PREFETCH = 2
@@ -58,20 +57,14 @@ class Rig:
 
 
 @pytest.fixture
-async def emulator() -> AsyncIterator[Emulator]:
-    emu = await start_emulator(EmulatorConfig(api_key=KEY, seed=17))
-    try:
-        yield emu
-    finally:
-        await emu.close()
+def emulator_options() -> dict[str, Any]:
+    return {"seed": 17}
 
 
 @pytest.fixture
 async def rig(db: Database, emulator: Emulator) -> AsyncIterator[Rig]:
     ledger = SqliteLedger(db, owns_queue=False)
-    queues = [InfraiQueue(InfraiConfig(base_url=emulator.url, token=Secret(KEY), queue="ops",
-                                       backoff_initial_seconds=0.01, backoff_max_seconds=0.05))
-              for _ in range(2)]
+    queues = [InfraiQueue(infrai_config(emulator, queue="ops")) for _ in range(2)]
     for q in queues:
         await q.start()
     opened = await ledger.open_run("weekly@1", "weekly", None, {"kind": "inline"}, False)

@@ -9,19 +9,18 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from cleanup_sandbox import SandboxConfig, run_sandbox
-from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from cleanup_sandbox.infrai import Emulator
 from supervisor import metrics
 from supervisor.budget.local import LocalBudget
 from supervisor.budget.settings import LimitsConfig
 from supervisor.config import Config, PartnerConfig
-from supervisor.configtypes import Secret
 from supervisor.consumer import ConsumerPool
 from supervisor.infrai.queue import InfraiQueue
-from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Disposition, Settlement
 from supervisor.partner import PartnerClient
 from supervisor.queue.courier import Courier
@@ -30,8 +29,8 @@ from supervisor.redrive import Redriver
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.states import TERMINAL, OpState
+from tests.helpers import infrai_config
 
-KEY = "ifr_consumer_key"
 N = 40
 
 
@@ -45,19 +44,14 @@ class Rig:
 
 
 @pytest.fixture
-async def emulator() -> AsyncIterator[Emulator]:
-    emu = await start_emulator(EmulatorConfig(api_key=KEY, seed=11))
-    try:
-        yield emu
-    finally:
-        await emu.close()
+def emulator_options() -> dict[str, Any]:
+    return {"seed": 11}
 
 
 @pytest.fixture
 async def rig(db: Database, emulator: Emulator) -> AsyncIterator[Rig]:
     ledger = SqliteLedger(db, owns_queue=False)
-    queue = InfraiQueue(InfraiConfig(base_url=emulator.url, token=Secret(KEY), queue="ops",
-                                     backoff_initial_seconds=0.01, backoff_max_seconds=0.05))
+    queue = InfraiQueue(infrai_config(emulator, queue="ops"))
     await queue.start()
     opened = await ledger.open_run("weekly@1", "weekly", None, {"kind": "inline"}, False)
     assert opened.run is not None

@@ -15,8 +15,7 @@ from supervisor.sqlite import sql
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.sqlite.queue import SqliteQueue
-
-from .conftest import HoldWriter
+from tests.helpers import HoldWriter
 
 
 async def count(db: Database, table: str) -> int:

@@ -10,9 +10,8 @@ import asyncio
 import hashlib
 import hmac
 import itertools
-import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,10 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 from prometheus_client import REGISTRY
 
 from cleanup_sandbox import SandboxConfig, run_sandbox
-from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from cleanup_sandbox.infrai import Emulator
 from cleanup_sandbox.state import recipient_ids
 from supervisor import composition
 from supervisor.authsettings import TriggerConfig
@@ -35,8 +33,6 @@ from supervisor.errors import IllegalTransition
 from supervisor.events.relay import REFRESH_S, EventRelay, SinkWorker
 from supervisor.events.settings import EventsConfig, SinkConfig
 from supervisor.events.sinks import (
-    SIGNATURE_HEADER,
-    TIMESTAMP_HEADER,
     SinkError,
     WebhookSink,
     batch_body,
@@ -45,17 +41,16 @@ from supervisor.events.sinks import (
 )
 from supervisor.infrai.channel import InfraiChannel
 from supervisor.infrai.settings import InfraiConfig
-from supervisor.model import Event, Run, Settlement
+from supervisor.model import Event, Settlement
 from supervisor.queue.settings import QueueConfig
 from supervisor.service import Service
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.states import OpState
+from tests.helpers import HoldWriter, eventually, infrai_config, open_run
+from tests.receivers import HOOK_SECRET as SECRET
+from tests.receivers import Hook
 
-from .conftest import HoldWriter
-
-SECRET = "whsec_events_test"
-KEY = "ifr_events_key"
 EVENTS_QUEUE = "cleanup-events"
 _names = itertools.count()
 
@@ -68,100 +63,6 @@ def unique(prefix: str) -> str:
 def sample(name: str, sink: str) -> float:
     value = REGISTRY.get_sample_value(name, {"sink": sink})
     return 0.0 if value is None else value
-
-
-async def eventually(check: Callable[[], Awaitable[bool] | bool], within_s: float = 15.0,
-                     what: str = "condition") -> None:
-    deadline = time.monotonic() + within_s
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)  # polling a condition in a test
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Hook:
-    """A webhook receiver on a real loopback socket that checks every signature.
-
-    ``status`` other than 200 answers every request with it (a receiver that is down but
-    listening); :meth:`stop` closes the socket (connections refused). ``hold`` makes the
-    receiver take a request's events and then never answer (an ack lost in the air)."""
-
-    def __init__(self, secret: str = SECRET, signed: str = "timestamp_body") -> None:
-        self.secret = secret.encode()
-        self.signed = signed
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/hook"
-        self.status = 200
-        self.refusal = "down for maintenance"  # the body of a refusal
-        self.events: list[dict[str, Any]] = []  # in arrival order, duplicates included
-        self.requests: list[tuple[str, list[str]]] = []  # (Idempotency-Key, event IDs)
-        self.refused = 0  # requests answered with a non-2xx status
-        self.bad_signatures = 0
-        self.hold: asyncio.Event | None = None
-        self.held = asyncio.Event()
-        self._runner: web.AppRunner | None = None
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        timestamp = request.headers.get(TIMESTAMP_HEADER, "")
-        given = request.headers.get(SIGNATURE_HEADER, "")
-        expected = signature(self.secret, timestamp, body, self.signed)
-        fresh = timestamp.isdigit() and abs(time.time() - int(timestamp)) < 300
-        if not (fresh and hmac.compare_digest(given, expected)):
-            self.bad_signatures += 1
-            return web.Response(status=401)
-        if self.status != 200:
-            self.refused += 1
-            return web.Response(status=self.status, text=self.refusal)
-        events = orjson.loads(body)["events"]
-        self.events += events
-        self.requests.append((request.headers["Idempotency-Key"], [e["id"] for e in events]))
-        if self.hold is not None:
-            self.held.set()
-            await self.hold.wait()
-        return web.Response(status=204)
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/hook", self.handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            if self.hold is not None:
-                self.hold.set()
-            await self._runner.cleanup()
-            self._runner = None
-
-    def ids(self) -> list[str]:
-        return [e["id"] for e in self.events]
-
-
-@pytest.fixture
-async def emulator() -> AsyncIterator[Emulator]:
-    emu = await start_emulator(EmulatorConfig(api_key=KEY, seed=7))
-    try:
-        yield emu
-    finally:
-        await emu.close()
-
-
-def infrai_config(emulator: Emulator) -> InfraiConfig:
-    return InfraiConfig(base_url=emulator.url, token=Secret(KEY), backoff_initial_seconds=0.01,
-                        backoff_max_seconds=0.05)
 
 
 def events_config(*sinks: SinkConfig, **kw: Any) -> EventsConfig:
@@ -191,13 +92,6 @@ async def running(relay: EventRelay) -> AsyncIterator[list[asyncio.Task[None]]]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await relay.close()
-
-
-async def open_run(ledger: SqliteLedger, ids: list[str], tick: str = "weekly@1") -> Run:
-    opened = await ledger.open_run(tick, "weekly", None, {"kind": "inline"}, False)
-    assert opened.run is not None
-    await ledger.record_page(opened.run.id, ids, None, 0)
-    return opened.run
 
 
 async def operation_ids(ledger: SqliteLedger, run_id: str) -> list[str]:
@@ -252,7 +146,7 @@ async def test_each_event_commits_with_its_change_in_the_group_commit(
     sharing a group commit with a legal one leaves only the legal one's event, and one
     writer keeps the outbox gapless. (Which changes write which events, the cursors,
     backlog and pruning: tests/contract/test_ledger.py, on every backend.)"""
-    run = await open_run(ledger, [f"r-{i}" for i in range(4)])
+    run = await open_run(ledger, ids=[f"r-{i}" for i in range(4)])
     ops = await operation_ids(ledger, run.id)
     attempt = await ledger.begin_attempt(ops[0], "delete")
     commits = db.commits
@@ -281,7 +175,7 @@ async def test_each_event_commits_with_its_change_in_the_group_commit(
 
 
 async def test_the_relay_prunes_what_every_configured_sink_took(ledger: SqliteLedger) -> None:
-    run = await open_run(ledger, [f"r-{i}" for i in range(25)])
+    run = await open_run(ledger, ids=[f"r-{i}" for i in range(25)])
     for op in await operation_ids(ledger, run.id):
         await settle(ledger, op, OpState.DELETED)
     hook = Hook()
@@ -309,7 +203,7 @@ async def test_three_sinks_one_down_every_event_reaches_every_sink_once_in_order
     relay = new_relay(config, ledger, infrai_config(emulator), refresh_s=0.05)
     failures_before = {s: sample("cleanup_events_sink_failures_total", s) for s in (q, a, b)}
     delivered_before = {s: sample("cleanup_events_delivered_total", s) for s in (q, a, b)}
-    run = await open_run(ledger, [f"r-{i:03d}" for i in range(60)])
+    run = await open_run(ledger, ids=[f"r-{i:03d}" for i in range(60)])
     ops = await operation_ids(ledger, run.id)
     targets = [OpState.DELETED, OpState.DELETED, OpState.ALREADY_ABSENT, OpState.FAILED,
                OpState.AMBIGUOUS]
@@ -347,8 +241,8 @@ async def test_three_sinks_one_down_every_event_reaches_every_sink_once_in_order
     await up.stop()
     await down.stop()
     queued: list[dict[str, Any]] = []
-    reader = InfraiConfig(base_url=emulator.url, token=Secret(KEY), create_queues=False)
-    async with composition.infrai_session(reader, EVENTS_QUEUE) as channel:
+    async with composition.infrai_session(infrai_config(emulator, create_queues=False),
+                                          EVENTS_QUEUE) as channel:
         await drain_queue(channel, queued)
     for sink_ids in ([e["id"] for e in queued], up.ids(), down.ids()):
         assert first_seen(sink_ids) == expected  # every event, in order, once after dedup
@@ -373,7 +267,7 @@ async def test_a_new_relay_resumes_at_the_stored_cursor(ledger: SqliteLedger) ->
     await hook.start()
     name = unique("resume")
     config = events_config(webhook(name, hook, batch_size=4))
-    run = await open_run(ledger, [f"r-{i:03d}" for i in range(30)])
+    run = await open_run(ledger, ids=[f"r-{i:03d}" for i in range(30)])
     ops = await operation_ids(ledger, run.id)
     for op in ops[:10]:
         await settle(ledger, op, OpState.DELETED)
@@ -460,7 +354,7 @@ async def test_the_service_runs_a_sink_and_its_events_follow_the_deletions(
 async def test_webhook_requests_are_signed_and_keyed_by_event_id(ledger: SqliteLedger) -> None:
     hook = Hook(signed="body")
     await hook.start()
-    run = await open_run(ledger, ["r-1", "r-2", "r-3"])
+    run = await open_run(ledger, ids=["r-1", "r-2", "r-3"])
     ops = await operation_ids(ledger, run.id)
     await settle(ledger, ops[0], OpState.DELETED)
     sink = WebhookSink(webhook(unique("signed"), hook, signed="body"))
@@ -490,7 +384,7 @@ async def test_a_receivers_error_text_is_escaped_bounded_and_its_url_tokens_cut(
     hook.status = 500
     hook.refusal = "oops\n2026-01-01 INFO supervisor: operator logged in\x1b[2J" + "x" * 5000
     await hook.start()
-    run = await open_run(ledger, ["r-1"])
+    run = await open_run(ledger, ids=["r-1"])
     await settle(ledger, (await operation_ids(ledger, run.id))[0], OpState.DELETED)
     [event] = await all_events(ledger)
     sink = WebhookSink(webhook(unique("chatty"), hook))
@@ -526,7 +420,7 @@ async def test_a_wrong_secret_is_refused_and_retried_not_skipped(ledger: SqliteL
     await hook.start()
     name = unique("wrong-secret")
     relay = new_relay(events_config(webhook(name, hook)), ledger)
-    run = await open_run(ledger, ["r-1"])
+    run = await open_run(ledger, ids=["r-1"])
     await settle(ledger, (await operation_ids(ledger, run.id))[0], OpState.DELETED)
     async with running(relay):
         await eventually(lambda: hook.bad_signatures >= 2, what="refusals")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from supervisor.model import Settlement
 from supervisor.queue.courier import Courier
 from supervisor.readcaps import holder_of
 from supervisor.states import OpState
+from tests.helpers import eventually
 
 from .http_app import AUTH, TOKEN, Api, load_config, running_api
 
@@ -460,14 +461,6 @@ async def test_wait_done_on_a_done_run_returns_at_once(api: Api) -> None:
     assert (status, doc["state"]) == (200, "done")
 
 
-async def _until(condition: Callable[[], bool], within_s: float = 10.0) -> None:
-    """Until ``condition`` holds: what the handlers reach has no event to await."""
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.005)
-
-
 async def test_many_long_polls_on_one_run_cost_one_read_per_monitor_pass(tmp_path: Path) -> None:
     """Issue 17, M7: a waiter reads nothing itself; the monitor reads each watched run once
     per pass for all of them (it used to be one read per waiter per notification)."""
@@ -477,7 +470,7 @@ async def test_many_long_polls_on_one_run_cost_one_read_per_monitor_pass(tmp_pat
         polls = [asyncio.create_task(call(api, "GET", f"/v1/runs/{run_id}", headers=AUTH,
                                           params={"wait": "done", "timeout": "30"}))
                  for _ in range(90)]  # the test client holds at most 100 connections
-        await _until(lambda: api.state.long_polls.held == 90)
+        await eventually(lambda: api.state.long_polls.held == 90, within_s=10.0, every_s=0.005)
         before = api.db.reads
         for _ in range(20):
             await api.notify_runs_changed()
@@ -520,7 +513,7 @@ async def test_long_polls_are_capped_per_token_and_in_all_with_retry_after(
             return asyncio.create_task(call(api, "GET", path, headers=headers, params=wait))
 
         held = [poll(AUTH), poll(AUTH)]
-        await _until(lambda: api.state.long_polls.held == 2)
+        await eventually(lambda: api.state.long_polls.held == 2, within_s=10.0, every_s=0.005)
         async with api.client.get(path, headers=AUTH, params=wait) as resp:
             assert resp.status == 429
             assert resp.headers["Retry-After"] == "5"
@@ -528,7 +521,7 @@ async def test_long_polls_are_capped_per_token_and_in_all_with_retry_after(
         # Not waiting is never capped, nor is another token below the total.
         assert (await call(api, "GET", path, headers=AUTH))[0] == 200
         held.append(poll(as_viewer))
-        await _until(lambda: api.state.long_polls.held == 3)
+        await eventually(lambda: api.state.long_polls.held == 3, within_s=10.0, every_s=0.005)
         async with api.client.get(path, headers=as_viewer, params=wait) as resp:
             assert resp.status == 429
             assert resp.headers["Retry-After"] == "5"

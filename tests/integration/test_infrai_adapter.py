@@ -6,38 +6,27 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
-from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from cleanup_sandbox.infrai import Emulator
 from supervisor import metrics
 from supervisor.configtypes import Secret
 from supervisor.errors import MessageTooLarge, QueueBlocked, QueueError
 from supervisor.infrai.queue import InfraiQueue
 from supervisor.infrai.settings import InfraiConfig
 from supervisor.model import Message
-
-KEY = "ifr_adapter_key"
-
-
-def msg(i: int, recipient: str | None = None) -> Message:
-    return Message("run_1", f"op_{i}", recipient or f"r-{i}")
+from tests.helpers import EMU_KEY, infrai_config, msg
 
 
 @pytest.fixture
-async def emulator() -> AsyncIterator[Emulator]:
-    emu = await start_emulator(EmulatorConfig(api_key=KEY, seed=3))
-    try:
-        yield emu
-    finally:
-        await emu.close()
+def emulator_options() -> dict[str, Any]:
+    return {"seed": 3}
 
 
-def config(emulator: Emulator, **overrides: object) -> InfraiConfig:
-    base: dict[str, object] = {"base_url": emulator.url, "token": Secret(KEY),
-                               "queue": "work", "backoff_initial_seconds": 0.01,
-                               "backoff_max_seconds": 0.05}
-    return InfraiConfig(**{**base, **overrides})  # type: ignore[arg-type]
+def config(emulator: Emulator, **overrides: Any) -> InfraiConfig:
+    return infrai_config(emulator, **{"queue": "work", **overrides})
 
 
 @pytest.fixture
@@ -65,7 +54,7 @@ async def test_queues_are_created_with_their_dead_letter_queue_once(
 
 
 async def test_an_existing_queue_is_kept_when_create_conflicts(emulator: Emulator) -> None:
-    emulator.config = emulator.config.__class__(api_key=KEY, create_existing="conflict")
+    emulator.config = emulator.config.__class__(api_key=EMU_KEY, create_existing="conflict")
     for _ in range(2):  # two service lives: the second finds the queues there
         q = InfraiQueue(config(emulator, dead_letter_queue="work-dlq"))
         await q.start()
@@ -174,7 +163,7 @@ async def test_a_wrong_shaped_message_is_acked_and_dropped(
 
 async def test_dead_letters_are_redriven(emulator: Emulator) -> None:
     q = InfraiQueue(config(emulator, nack_path="/v1/queue/nack", max_retries=1))
-    emulator.config = emulator.config.__class__(api_key=KEY, nack_route="/v1/queue/nack")
+    emulator.config = emulator.config.__class__(api_key=EMU_KEY, nack_route="/v1/queue/nack")
     await q.start()
     try:
         await q.publish([msg(1)])
@@ -211,7 +200,7 @@ async def test_an_unknown_refusal_code_does_not_become_a_metric_label() -> None:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
-    client = InfraiClient(InfraiConfig(base_url=f"http://127.0.0.1:{port}", token=Secret(KEY),
+    client = InfraiClient(InfraiConfig(base_url=f"http://127.0.0.1:{port}", token=Secret(EMU_KEY),
                                        queue="work"))
     await client.start()
     try:

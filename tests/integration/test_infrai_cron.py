@@ -4,42 +4,35 @@ run, keyed by the slot the expression names)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from croniter import croniter
 
-from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from cleanup_sandbox.infrai import Emulator
 from supervisor import config as config_module
 from supervisor.configtypes import Secret
 from supervisor.infrai.client import InfraiClient
 from supervisor.infrai.cron import CronRefused, InfraiCron, check_expression
 from supervisor.infrai.settings import InfraiConfig
+from tests.helpers import infrai_config
 
 from .http_app import TOKEN, running_api
 
-KEY = "ifr_cron_key"
 TICK = "tick-token-of-the-cron-job-0123456789"
 
 
 @pytest.fixture
-async def emulator() -> AsyncIterator[Emulator]:
-    emu = await start_emulator(EmulatorConfig(api_key=KEY, cron_allow_private_targets=True,
-                                              cron_poll_seconds=0))
-    try:
-        yield emu
-    finally:
-        await emu.close()
+def emulator_options() -> dict[str, Any]:
+    return {"cron_allow_private_targets": True, "cron_poll_seconds": 0}
 
 
-def infrai(emulator: Emulator, trigger_url: str = "https://cleanup.example.com/v1/runs",
-           **overrides: object) -> InfraiConfig:
-    return dataclasses.replace(InfraiConfig(base_url=emulator.url, token=Secret(KEY),
-                                            trigger_url=trigger_url,
-                                            backoff_initial_seconds=0.01), **overrides)  # type: ignore[arg-type]
+def infrai(emulator: Emulator, **overrides: Any) -> InfraiConfig:
+    return infrai_config(emulator, **{"trigger_url": "https://cleanup.example.com/v1/runs",
+                                      **overrides})
 
 
 @pytest.fixture

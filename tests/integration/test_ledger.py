@@ -19,16 +19,9 @@ from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.sqlite.queue import SqliteQueue
 from supervisor.states import OpState
+from tests.helpers import HoldWriter, open_run
 
-from .conftest import HoldWriter
-
-INLINE = {"kind": "inline"}
-
-
-async def open_run(ledger: SqliteLedger, tick: str = "weekly@2024-01-01T02:00:00+00:00") -> Run:
-    result = await ledger.open_run(tick, "weekly", None, INLINE, False)
-    assert result.run is not None
-    return result.run
+TICK = "weekly@2024-01-01T02:00:00+00:00"
 
 
 async def message_count(db: Database) -> int:
@@ -39,7 +32,7 @@ async def message_count(db: Database) -> int:
 
 async def discovered_run(ledger: SqliteLedger, queue: SqliteQueue, ids: list[str]) -> Run:
     """A run whose operations are discovered, published and queued: ready to consume."""
-    run = await open_run(ledger)
+    run = await open_run(ledger, TICK)
     await ledger.record_page(run.id, ids, None, 0)
     await Courier(ledger, queue).publish(await ledger.unpublished(1000))
     return run
@@ -132,7 +125,7 @@ async def test_everything_survives_a_reopen(tmp_path: Path) -> None:
     db = Database(path)
     await db.open()
     ledger = SqliteLedger(db, owns_queue=True)
-    run = await open_run(ledger)
+    run = await open_run(ledger, TICK)
     await ledger.record_page(run.id, ["a"], "c1", 0)
     await ledger.close()
     await ledger.close()  # safe twice

@@ -17,8 +17,7 @@ from supervisor.reconcile import Reconciler
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.sqlite.queue import SqliteQueue
 from supervisor.states import OpState
-
-from .conftest import ambiguous_operation
+from tests.helpers import ambiguous_operation
 
 
 def total(outcome: str) -> float:

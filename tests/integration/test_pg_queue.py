@@ -19,12 +19,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
 import pytest
 
 from supervisor.errors import OperationBusy, ReplicaFenced, ScanConflict
 from supervisor.ledger.settings import LedgerConfig
-from supervisor.model import Delivery, Event, Message, Settlement
+from supervisor.model import Delivery, Event, Settlement
 from supervisor.postgres import connect as pgnames
 from supervisor.postgres import sql as pg_sql
 from supervisor.postgres.database import CHANNELS, PgDatabase
@@ -33,6 +32,7 @@ from supervisor.postgres.queue import FALLBACK_POLL_S, PostgresQueue
 from supervisor.postgres.replicas import AdvisoryRoles, Membership, RoleLost
 from supervisor.queue.courier import Courier
 from supervisor.states import OpState
+from tests.helpers import admin, advisory_lock_holder, eventually, msg, still_waiting
 
 CONFIG = LedgerConfig(heartbeat_seconds=0.5, dead_after_seconds=3.0, role_poll_seconds=0.05)
 
@@ -81,34 +81,6 @@ async def replicas(pg: Any, *names: str) -> AsyncIterator[list[Replica]]:
             await r.roles.close()
             await r.db.close()
 
-
-@asynccontextmanager
-async def admin(pg: Any) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(pg.dsn, server_settings={"search_path": pg.schema})
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 5.0,
-                     what: str = "condition") -> None:
-    deadline = time.monotonic() + within_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)  # polling another session's effect, with a deadline
-
-
-def msg(i: int) -> Message:
-    return Message(run_id="run_1", operation_id=f"op_{i:04d}", recipient_id=f"r-{i}")
-
-
-async def still_waiting(task: asyncio.Future[Any], for_s: float) -> bool:
-    """True when ``task`` has not finished within ``for_s``: an assertion that something
-    blocks (nothing else can show it), not a synchronisation."""
-    done, _ = await asyncio.wait({task}, timeout=for_s)
-    return not done
 
 
 async def blocked_wait(queue: PostgresQueue) -> asyncio.Future[None]:
@@ -432,15 +404,6 @@ class RoleProbe:
         return who
 
 
-async def role_holder(pg: Any, conn: asyncpg.Connection, name: str) -> int:
-    key = pgnames.lock_key(pg.schema, f"role:{name}") & 0xFFFFFFFFFFFFFFFF
-    rows = await conn.fetch(
-        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
-        "AND classid = $1::bigint::oid AND objid = $2::bigint::oid", key >> 32, key & 0xFFFFFFFF)
-    [row] = rows
-    return int(row[0])
-
-
 @asynccontextmanager
 async def contenders(pg: Any) -> AsyncIterator[tuple[RoleProbe, dict[str, AdvisoryRoles],
                                                      dict[str, asyncio.Task[None]]]]:
@@ -482,10 +445,10 @@ async def test_a_role_moves_when_its_holders_session_is_terminated(pg: Any) -> N
     async with contenders(pg) as (probe, roles, tasks), admin(pg) as conn:
         holder = await probe.first()
         other = "b" if holder == "a" else "a"
-        pid = await role_holder(pg, conn, "scan")
+        pid = await advisory_lock_holder(pg, conn, "scan")
         assert await conn.fetchval("SELECT pg_terminate_backend($1)", pid)
         await asyncio.wait_for(probe.started[other].wait(), 3)
-        assert await role_holder(pg, conn, "scan") != pid
+        assert await advisory_lock_holder(pg, conn, "scan") != pid
         # The old holder learns at its next probe (the heartbeat's) and stops its
         # component: the lock went with the session.
         await roles[holder].check()

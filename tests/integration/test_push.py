@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from cleanup_sandbox import SandboxConfig, run_sandbox
-from cleanup_sandbox.infrai import EmulatorConfig, start_emulator
+from cleanup_sandbox.infrai import Emulator
 from cleanup_sandbox.server import RunningSandbox
 from supervisor import cli
 from supervisor.budget.base import Feedback, Outcome
@@ -43,6 +43,7 @@ from supervisor.runs import RunOpener, RunWatch
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.states import OpState
+from tests.helpers import infrai_config
 
 from .http_app import load_config, running_api
 
@@ -445,23 +446,20 @@ async def stand_in_client(stand_in: StandIn) -> AsyncIterator[InfraiClient]:
         await server.close()
 
 
-async def test_subscribe_against_the_emulator() -> None:
+async def test_subscribe_against_the_emulator(emulator: Emulator) -> None:
     """The emulator does not emulate push: it answers push_subscribe 404 (the command
     then says "this Infrai has no push_subscribe route"). Should it learn the route, this
     test must change to read the ID it answers."""
-    emu = await start_emulator(EmulatorConfig(api_key=KEY))
-    client = InfraiClient(InfraiConfig(base_url=emu.url, token=Secret(KEY),
-                                       backoff_initial_seconds=0.01))
+    client = InfraiClient(infrai_config(emulator))
     await client.start()
     try:
         with pytest.raises(InfraiError) as refused:
             await subscribe(client, subscription())
         assert refused.value.status == 404, refused.value
-        calls = [c for c in emu.calls if "push_subscribe" in str(c["route"])]
+        calls = [c for c in emulator.calls if "push_subscribe" in str(c["route"])]
         assert len(calls) == 1  # one call: a 404 is not retried, nor tried with "endpoint"
     finally:
         await client.close()
-        await emu.close()
 
 
 async def test_subscribe_sends_the_documented_shape_and_reads_the_id() -> None:

@@ -17,8 +17,8 @@ from prometheus_client import REGISTRY
 from supervisor.model import Disposition, Message, Settlement
 from supervisor.push import PushEntry, parse_delivery
 from supervisor.states import OpState
+from tests.helpers import writer_held
 
-from .conftest import writer_held
 from .test_push import Rig, delivery_body, push_rig, signed
 
 # Long enough that a retry wait is still in force while the test replays into it.

@@ -22,8 +22,7 @@ from supervisor.runs import RunWatch
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.sqlite.queue import SqliteQueue
 from supervisor.states import OpState
-
-from .conftest import ambiguous_operation
+from tests.helpers import ambiguous_operation
 
 
 @pytest.fixture

@@ -22,8 +22,9 @@ import pytest
 
 from supervisor.errors import OperationBusy
 from supervisor.queue.courier import Courier
+from tests.helpers import still_waiting
 
-from .test_pg_queue import CONFIG, replicas, still_waiting
+from .test_pg_queue import CONFIG, replicas
 
 REPO = Path(__file__).resolve().parents[2]
 SKEW = "+90s"

@@ -10,32 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from cleanup_sandbox.infrai import Emulator, EmulatorConfig, start_emulator
+from cleanup_sandbox.infrai import Emulator
 from supervisor import composition, metrics
-from supervisor.configtypes import Secret
-from supervisor.infrai.settings import InfraiConfig
 from supervisor.runs import RunOpener
 from supervisor.sqlite.ledger import SqliteLedger
 from supervisor.ticks import TickPuller, TickSource, publish_tick, tick_from
+from tests.helpers import infrai_config
 
 from .http_app import load_config
-
-KEY = "ifr_tick_key"
-
-
-@pytest.fixture
-async def emulator() -> AsyncIterator[Emulator]:
-    emu = await start_emulator(EmulatorConfig(api_key=KEY))
-    try:
-        yield emu
-    finally:
-        await emu.close()
 
 
 @pytest.fixture
 async def ticks(emulator: Emulator) -> AsyncIterator[TickSource]:
-    config = InfraiConfig(base_url=emulator.url, token=Secret(KEY), queue="work")
-    async with composition.infrai_session(config, "ticks") as channel:
+    async with composition.infrai_session(infrai_config(emulator, queue="work"),
+                                          "ticks") as channel:
         yield composition.tick_source(channel)
 
 

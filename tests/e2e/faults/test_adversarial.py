@@ -32,20 +32,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from pusher import Pusher
-from replica_harness import ledger_reader, settle_run
 
-from .conftest import (
-    E2E,
-    UNRESOLVED,
-    Fault,
-    FaultService,
-    Mode,
-    Sandbox,
-    background,
-    fault_service,
-    settle,
-)
+from tests.e2e.faults.harness import Fault, FaultService, Mode, background, fault_service, settle
+from tests.e2e.harness import E2E, Sandbox
+from tests.e2e.ledger_file import UNRESOLVED
+from tests.e2e.pusher import Pusher
+from tests.e2e.replica_harness import ledger_reader, settle_run
 
 # Each cell settles within 150 s, even on a loaded machine.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sqlite3
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -32,19 +31,18 @@ from typing import Any
 
 import pytest
 
-from .conftest import (
-    E2E,
+from tests.e2e.faults.harness import (
     Fault,
     FaultService,
-    Infrai,
     Mode,
-    Sandbox,
     background,
     fault_service,
     settle,
     stranded_in_infrai,
     verify,
 )
+from tests.e2e.harness import E2E, Infrai, Sandbox
+from tests.e2e.ledger_file import attempts_started_after
 
 pytestmark = pytest.mark.e2e
 
@@ -174,13 +172,8 @@ async def test_sigkill_storm(e2e: E2E, fault: Fault, mode: Mode) -> None:
            and msgs.deliveries[m] >= 2
            and min(msgs.delivered_at[m]) < rows.terminal_at[op] < max(msgs.delivered_at[m])}
     assert cut, caught
-    conn = sqlite3.connect(f"file:{svc.ledger_path}?mode=ro", uri=True)
-    try:
-        late_attempts = {op: conn.execute(
-            "SELECT COUNT(*) FROM attempts WHERE operation_id = ? AND started_at > ?",
-            (op, rows.terminal_at[op])).fetchone()[0] for op in cut.values()}
-    finally:
-        conn.close()
+    late_attempts = attempts_started_after(
+        svc.ledger_path, {op: rows.terminal_at[op] for op in cut.values()})
     assert not any(late_attempts.values()), late_attempts
     recipient_of = {op["id"]: op["recipient_id"] for op in v.ops}
     assert all(v.executions[recipient_of[op]] == 1 for op in cut.values())

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from .conftest import E2E, NO_KEYS, Fault, FaultService, fault_service, verify
+from tests.e2e.faults.harness import NO_KEYS, Fault, FaultService, fault_service, verify
+from tests.e2e.harness import E2E
 
 pytestmark = pytest.mark.e2e
 

@@ -23,17 +23,8 @@ from typing import Any
 
 import pytest
 
-from .conftest import (
-    E2E,
-    Fault,
-    Mode,
-    Sandbox,
-    Sections,
-    Verified,
-    control_after,
-    fault_service,
-    verify,
-)
+from tests.e2e.faults.harness import Fault, Mode, Verified, control_after, fault_service, verify
+from tests.e2e.harness import E2E, Sandbox, Sections
 
 pytestmark = pytest.mark.e2e
 

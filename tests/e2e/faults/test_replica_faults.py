@@ -17,9 +17,11 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from replica_harness import SINGLETONS, ledger_reader, metrics_of, role_holders, settle_run
 
-from .conftest import E2E, UNRESOLVED, Fault, FaultService, Mode, fault_service
+from tests.e2e.faults.harness import Fault, FaultService, Mode, fault_service
+from tests.e2e.harness import E2E
+from tests.e2e.ledger_file import UNRESOLVED
+from tests.e2e.replica_harness import SINGLETONS, ledger_reader, metrics_of, role_holders, settle_run
 
 pytestmark = pytest.mark.e2e
 

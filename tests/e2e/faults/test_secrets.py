@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from .conftest import E2E, KEYS, Fault, FaultService, cli, fault_service, verify
+from tests.e2e.faults.harness import KEYS, Fault, FaultService, fault_service, verify
+from tests.e2e.harness import E2E
 
 pytestmark = pytest.mark.e2e
 
@@ -92,12 +93,12 @@ async def test_no_token_in_debug_logs_or_error_bodies(e2e: E2E, fault: Fault) ->
     # The CLI, with the trigger token in its environment, and with a wrong one.
     await svc.start()
     wrong = {**e2e.env, "CLEANUP_TRIGGER_TOKEN": "not-the-token"}
-    outputs = [await cli(e2e, "runs", "--url", svc.url),
-               await cli(e2e, "runs", "--url", svc.url, run_id),
-               await cli(e2e, "ambiguous", "--url", svc.url),
-               await cli(e2e, "check-config", str(svc.config_path)),
-               await cli(e2e, "trigger", "--url", svc.url, "r-000001", env=wrong),
-               await cli(e2e, "runs", "--url", svc.url, env=wrong)]
+    outputs = [await e2e.cli("runs", "--url", svc.url),
+               await e2e.cli("runs", "--url", svc.url, run_id),
+               await e2e.cli("ambiguous", "--url", svc.url),
+               await e2e.cli("check-config", str(svc.config_path)),
+               await e2e.cli("trigger", "--url", svc.url, "r-000001", env=wrong),
+               await e2e.cli("runs", "--url", svc.url, env=wrong)]
     assert [code for code, _, _ in outputs] == [0, 0, 0, 0, 1, 1], outputs
     await svc.stop()
     for code, out, err in outputs:

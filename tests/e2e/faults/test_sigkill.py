@@ -18,7 +18,8 @@ from collections import Counter
 
 import pytest
 
-from .conftest import E2E, Fault, Mode, fault_service, verify
+from tests.e2e.faults.harness import Fault, Mode, fault_service, verify
+from tests.e2e.harness import E2E
 
 pytestmark = pytest.mark.e2e
 

@@ -31,19 +31,14 @@ from typing import Any
 
 import pytest
 
-from .conftest import E2E, KEYS, Fault, FaultService, Sandbox, fault_service, verify
+from tests.e2e.faults.harness import KEYS, Fault, FaultService, fault_service, verify
+from tests.e2e.harness import E2E, Sandbox
+from tests.e2e.ledger_file import read_ledger, stranded
 
 pytestmark = pytest.mark.e2e
 
 POPULATION = 600
 CONCURRENCY = 8
-
-
-def stranded(conn: sqlite3.Connection) -> list[str]:
-    """Operations that still need work but have no message: acked without an outcome."""
-    return [r[0] for r in conn.execute(
-        "SELECT id FROM operations o WHERE state IN ('queued', 'in_flight', 'retry_wait') "
-        "AND NOT EXISTS (SELECT 1 FROM messages m WHERE m.operation_id = o.id)")]
 
 
 # What the consumers log, at DEBUG, for each write that fails while the fault holds.
@@ -90,11 +85,8 @@ async def ledger_fault(svc: FaultService, sandbox: Sandbox, fault_line: str,
         # request the partner saw has its attempt row.)
         during = await sandbox.stats()
         assert during["requests"] - at_fault["requests"] <= CONCURRENCY, (at_fault, during)
-    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
-    try:
-        assert stranded(conn) == []
-    finally:
-        conn.close()
+    # Operations that still need work but have no message: acked without an outcome.
+    assert read_ledger(ledger).stranded == []
 
 
 async def recovered(svc: FaultService) -> None:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import socket
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from aiohttp import web
 
 from cleanup_sandbox.infrai import CONTROL_HEADER, Emulator, EmulatorConfig, start_emulator
 from cleanup_sandbox.infrai.__main__ import build_parser
+from tests.helpers import free_port
 
 KEY = "ifr_pk_proj_test"
 CONTROL = "control-secret"
@@ -400,9 +400,7 @@ async def test_a_failing_target_is_retried_and_each_attempt_recorded() -> None:
         assert [(r["attempt"], r["status"], r["http_status"]) for r in await c.runs(job["cron_id"])] == [
             (1, "failed", 302), (2, "failed", 302)]
         # Nobody listening: failed without a status, the error kept.
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            closed = f"http://127.0.0.1:{sock.getsockname()[1]}/x"
+        closed = f"http://127.0.0.1:{free_port()}/x"
         job = await c.job(url=closed, retries=0)
         await c.trigger(job["cron_id"])
         (run,) = await c.runs(job["cron_id"])

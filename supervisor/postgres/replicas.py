@@ -141,7 +141,8 @@ class AdvisoryRoles:
                     task.cancel()
             await asyncio.gather(work, lost, return_exceptions=True)
             await self._release(name)
-        if not work.cancelled() and work.done() and not lost.done():
+        # ``lost`` cancelled above means the work ended first: its return or crash stands.
+        if work.done() and not work.cancelled() and (lost.cancelled() or not lost.done()):
             work.result()  # the component's own return or crash
             return
         raise RoleLost(f"role {name} lost with its lock connection")

@@ -121,20 +121,9 @@ async def running(roles: Roles, name: str, factory: Factory) -> AsyncIterator[as
         await asyncio.gather(task, return_exceptions=True)
 
 
-def known_return_bug(request: pytest.FixtureRequest, rig: Rig) -> None:
-    """AdvisoryRoles.run reports its factory's own return or crash as RoleLost: its
-    finally cancels the lost-waiter, which then counts as done (postgres/replicas.py,
-    ``not lost.done()``). Strict, so the fix makes these cases fail until this goes."""
-    if rig.lost is RoleLost:
-        request.applymarker(pytest.mark.xfail(
-            raises=RoleLost, strict=True,
-            reason="AdvisoryRoles.run turns a factory's return or crash into RoleLost"))
-
-
 class TestRolesContract:
     async def test_run_runs_the_factory_while_holding_and_returns_what_it_returns(
-            self, rig: Rig, request: pytest.FixtureRequest) -> None:
-        known_return_bug(request, rig)
+            self, rig: Rig) -> None:
         roles = await rig.holder()
         held_inside: list[bool] = []
 
@@ -145,8 +134,7 @@ class TestRolesContract:
         assert held_inside == [True]
 
     async def test_a_crash_comes_out_of_run_and_the_role_can_be_taken_again(
-            self, rig: Rig, request: pytest.FixtureRequest) -> None:
-        known_return_bug(request, rig)
+            self, rig: Rig) -> None:
         first, second = await rig.holder(), await rig.holder()
 
         async def crash() -> None:
@@ -209,7 +197,10 @@ class TestRolesContract:
                 assert not a.holds("scan")
                 await eventually_running(component, "b")
                 assert b.holds("scan")
-        assert component.overlaps == 0
+        # No overlap count here: a terminated session frees its lock on the server before
+        # its client hears of it, so the next holder may start a moment before the dead
+        # one's component is cancelled. That window is what the ledger's fence (checked
+        # before every request) is for; live holders never overlap (the test above).
 
 
 async def eventually_running(component: Component, who: str) -> None:

@@ -365,18 +365,29 @@ def cmd_infrai_push(args: argparse.Namespace) -> int:
     return 0
 
 
+CONFIG_HELP = "TOML file (default: $CLEANUP_CONFIG, or defaults)"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cleanup-supervisor", description=__doc__)
     p.add_argument("--version", action="version", version=__version__)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     sub = p.add_subparsers(dest="command", required=True)
 
+    _service_commands(sub)
+    _infrai_commands(sub)
+    _client_commands(sub)
+    return p
+
+
+def _service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The commands that run or check the service here: serve, migrate, check-config, plan, demo."""
     s = sub.add_parser("serve", help="run the service")
-    s.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    s.add_argument("--config", "-c", help=CONFIG_HELP)
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("migrate", help="apply the ledger's schema migrations (also done at start)")
-    s.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    s.add_argument("--config", "-c", help=CONFIG_HELP)
     s.set_defaults(func=cmd_migrate)
 
     s = sub.add_parser("check-config", help="validate a configuration; exit 2 on problems")
@@ -384,7 +395,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_check_config)
 
     s = sub.add_parser("plan", help="N / R against the cron ceiling and the digest cutoff")
-    s.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    s.add_argument("--config", "-c", help=CONFIG_HELP)
     n = s.add_mutually_exclusive_group()
     n.add_argument("--candidates", type=_positive_number(int), help="how many stale recipients")
     n.add_argument("--count-source", action="store_true",
@@ -419,27 +430,33 @@ def parser() -> argparse.ArgumentParser:
                    "replicas on PostgreSQL ($CLEANUP_DATABASE_URL or 127.0.0.1:5432)")
     s.set_defaults(func=cmd_demo)
 
+
+def _infrai_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Infrai's side: dead letters, the cron job, the push subscription."""
     s = sub.add_parser("dlq-redrive",
                        help="move Infrai's dead-lettered messages back to the queue")
-    s.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    s.add_argument("--config", "-c", help=CONFIG_HELP)
     s.set_defaults(func=cmd_dlq_redrive)
 
     s = sub.add_parser("infrai", help="Infrai's clock: the cron job for the schedule")
     infrai = s.add_subparsers(dest="infrai_command", required=True)
     cron = infrai.add_parser("cron", help="apply or show the Infrai cron job")
     cron.add_argument("action", choices=["apply", "status"])
-    cron.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    cron.add_argument("--config", "-c", help=CONFIG_HELP)
     cron.add_argument("--runs", type=int, default=10, help="status: how many recent runs")
     cron.add_argument("--replace", action="store_true",
                       help="apply: replace the job even if it looks the same (a new tick token)")
     cron.set_defaults(func=cmd_infrai_cron)
     push = infrai.add_parser("push", help="register this service's push endpoint")
     push.add_argument("action", choices=["subscribe"])
-    push.add_argument("--config", "-c", help="TOML file (default: $CLEANUP_CONFIG, or defaults)")
+    push.add_argument("--config", "-c", help=CONFIG_HELP)
     push.add_argument("--allow-private", action="store_true",
                       help="accept an http or private push_url (an emulator on loopback)")
     push.set_defaults(func=cmd_infrai_push)
 
+
+def _client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The API's clients: trigger, runs, ambiguous, resolve, budget."""
     url_default = os.environ.get("CLEANUP_URL", "http://127.0.0.1:8080")
     s = sub.add_parser("trigger", help="open a run (token from $CLEANUP_TRIGGER_TOKEN, "
                                        "else $CLEANUP_TICK_TOKEN)")
@@ -481,7 +498,6 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--forget-limit", action="store_true",
                    help="resume: also forget the limit learnt from 429s and headers")
     s.set_defaults(func=cmd_budget)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

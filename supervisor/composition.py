@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from supervisor import metrics
+from supervisor.apistate import ApiState
 from supervisor.budget.base import RateBudget
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config
@@ -37,7 +38,6 @@ from supervisor.errors import StartupError, StorageError
 from supervisor.events.relay import EventRelay
 from supervisor.events.settings import EventsConfig
 from supervisor.events.sinks import InfraiSink, Sink, WebhookSink
-from supervisor.http import ApiState
 from supervisor.infrai.channel import InfraiChannel
 from supervisor.infrai.push import push_settings
 from supervisor.infrai.queue import InfraiQueue

@@ -14,15 +14,16 @@ from aiohttp import web
 from prometheus_async.aio.web import server_stats
 
 from supervisor import exclusions, metrics
-
-# Scope, authorize and requires are also for route modules beside this one (the budget
-# API): one scope check for every route.
-from supervisor.apiauth import Role, host_middleware, install
-from supervisor.apiauth import Scope as Scope
-from supervisor.apiauth import authorize as authorize
-from supervisor.apiauth import requires as requires
-from supervisor.apistate import API, ApiError, error_middleware, error_response, json_body, json_response
-from supervisor.apistate import ApiState as ApiState
+from supervisor.apiauth import Role, Scope, authorize, host_middleware, install
+from supervisor.apistate import (
+    API,
+    ApiError,
+    ApiState,
+    error_middleware,
+    error_response,
+    json_body,
+    json_response,
+)
 from supervisor.budget_api import add_budget_routes
 from supervisor.errors import IllegalTransition
 from supervisor.model import Operation, Run

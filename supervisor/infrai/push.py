@@ -18,7 +18,7 @@ from urllib.parse import quote, urlsplit
 
 import orjson
 
-from supervisor.configtypes import Secret
+from supervisor.configtypes import Secret, missing_secret
 from supervisor.errors import CleanupError
 from supervisor.infrai.client import InfraiClient, InfraiError
 from supervisor.infrai.settings import InfraiConfig
@@ -32,8 +32,8 @@ class SubscribeRefused(CleanupError):
 def push_settings(c: InfraiConfig) -> PushSettings:
     """The receiver's settings from ``[infrai]`` (the route needs the secret)."""
     if c.push_secret is None:
-        raise SubscribeRefused(f"infrai.push_secret_env: ${c.push_secret_env} (or "
-                               f"${c.push_secret_env}_FILE) is not set")
+        raise SubscribeRefused(missing_secret("infrai.push_secret_env", c.push_secret_env,
+                                              "pushed deliveries are verified with it"))
     return PushSettings(secret=c.push_secret, signature_header=c.push_signature_header,
                         signature_prefix=c.push_signature_prefix,
                         timestamp_header=c.push_timestamp_header,

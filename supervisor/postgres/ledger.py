@@ -96,17 +96,19 @@ class PostgresLedger(LedgerCore[PgTx]):
 
     # -- fencing -----------------------------------------------------------------------
 
+    async def _alive(self, conn: Conn) -> bool:
+        # FOR SHARE: no peer reaps this replica while the caller's transaction commits.
+        return await conn.fetchval(sql.ALIVE, self.db.replica, self._fence_s) is not None
+
     async def _admit(self, tx: PgTx) -> None:
-        # FOR SHARE: no peer reaps this replica while the attempt commits.
-        if await tx.conn.fetchval(sql.ALIVE, self.db.replica, self._fence_s) is None:
+        if not await self._alive(tx.conn):
             raise ReplicaFenced(f"replica {self.db.replica} is not registered as alive: "
                                 "no attempt starts until its heartbeat is fresh")
 
     async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,
                            busy_s: float) -> bool:
         async def write(conn: Conn) -> bool:
-            # Shared, like begin_attempt's: no peer reaps us while this commits.
-            if await conn.fetchval(sql.ALIVE, self.db.replica, self._fence_s) is None:
+            if not await self._alive(conn):
                 return False
             status = await conn.execute(sql.KEEP_ATTEMPT, operation_id, attempt_id, owner,
                                         self.db.replica, busy_s)

@@ -15,13 +15,10 @@ from typing import Any
 
 import pytest
 
-from cleanup_sandbox.infrai import EmulatorConfig, start_emulator
 from supervisor import composition
-from supervisor.configtypes import Secret
-from supervisor.infrai.settings import InfraiConfig
 from supervisor.ticks import TickSource
+from tests.helpers import infrai_config, running_emulator
 
-KEY = "ifr_tick_contract_key"
 LEASE_S = 30.0
 
 MIXES: dict[str, dict[str, object]] = {
@@ -43,15 +40,10 @@ class Ticks:
 @pytest.fixture(params=list(MIXES))
 async def ticks(request: pytest.FixtureRequest) -> AsyncIterator[Ticks]:
     mix = MIXES[str(request.param)]
-    emulator = await start_emulator(EmulatorConfig(api_key=KEY, **mix))  # type: ignore[arg-type]
-    config = InfraiConfig(base_url=emulator.url, token=Secret(KEY), queue="work",
-                          tick_queue="ticks", backoff_initial_seconds=0.01,
-                          backoff_max_seconds=0.05)
-    try:
+    async with running_emulator(**mix) as emulator:
+        config = infrai_config(emulator, queue="work", tick_queue="ticks")
         async with composition.infrai_session(config, config.tick_queue) as channel:
             yield Ticks(composition.tick_source(channel), emulator.advance)
-    finally:
-        await emulator.close()
 
 
 def tick(i: int) -> dict[str, Any]:

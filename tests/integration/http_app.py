@@ -12,9 +12,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from supervisor import config as config_module
+from supervisor.apistate import ApiState
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config
-from supervisor.http import ApiState, create_app
+from supervisor.http import create_app
 from supervisor.monitor import Monitor
 from supervisor.partner import PartnerClient
 from supervisor.reconcile import Reconciler

@@ -16,8 +16,8 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 
 from supervisor import config as config_module
+from supervisor.apiauth import Scope, authorize, requires
 from supervisor.config import Config
-from supervisor.http import Scope, authorize, requires
 from supervisor.model import Settlement
 from supervisor.queue.courier import Courier
 from supervisor.states import OpState

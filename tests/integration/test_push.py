@@ -24,13 +24,14 @@ from cleanup_sandbox import SandboxConfig, run_sandbox
 from cleanup_sandbox.infrai import Emulator
 from cleanup_sandbox.server import RunningSandbox
 from supervisor import cli
+from supervisor.apistate import ApiState
 from supervisor.budget.base import Feedback, Outcome
 from supervisor.budget.local import LocalBudget
 from supervisor.budget.settings import LimitsConfig
 from supervisor.config import Config, PartnerConfig, ServiceConfig
 from supervisor.configtypes import Secret
 from supervisor.consumer import ConsumerPool
-from supervisor.http import ApiState, create_app
+from supervisor.http import create_app
 from supervisor.infrai.client import InfraiClient, InfraiError
 from supervisor.infrai.push import SubscribeRefused, Subscription, check_url, subscribe
 from supervisor.infrai.settings import InfraiConfig

@@ -29,10 +29,14 @@ from supervisor.config import Config
 from supervisor.errors import StartupError
 from supervisor.lifecycle import Resources
 from supervisor.service import Service
+from tests.helpers import free_port
 
 TOKEN = "trigger-token-for-tests-0123456789"
 SQLITE_STEPS = ["data-dir-lock", "sqlite-ledger", "infrai-queue", "release-dead-owners",
                 "budget", "partner", "events-sinks", "tick-queue", "http", "listen"]
+# The default, embedded shape: the queue lives in the ledger's SQLite file.
+EMBEDDED_STEPS = ["data-dir-lock", "sqlite-ledger", "sqlite-queue", "release-dead-owners",
+                  "budget", "partner", "events-sinks", "tick-queue", "http", "listen"]
 PG_STEPS = ["pg-database", "pg-membership", "infrai-queue", "budget", "partner",
             "events-sinks", "tick-queue", "http", "listen"]
 
@@ -54,11 +58,6 @@ class FailingAt(Resources):
             raise Injected(step)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def configure(tmp_path: Path, port: int, **env: str) -> Config:
@@ -152,6 +151,11 @@ async def test_the_steps_are_the_ones_this_test_fails(tmp_path: Path) -> None:
     assert await steps_of_a_full_start(configure(tmp_path, free_port())) == SQLITE_STEPS
 
 
+async def test_embedded_the_steps_are_the_ones_this_test_fails(tmp_path: Path) -> None:
+    cfg = configure(tmp_path, free_port(), CLEANUP__QUEUE__BACKEND="sqlite")
+    assert await steps_of_a_full_start(cfg) == EMBEDDED_STEPS
+
+
 async def test_on_postgresql_the_steps_are_the_ones_this_test_fails(
         tmp_path: Path, pg: Any) -> None:
     cfg = configure(tmp_path, free_port(), CLEANUP__LEDGER__BACKEND="postgres",
@@ -163,8 +167,10 @@ async def test_on_postgresql_the_steps_are_the_ones_this_test_fails(
 REAL_CAUSES = ("data-dir-lock", "sqlite-ledger", "listen")
 
 
-@pytest.mark.parametrize("step", SQLITE_STEPS)
-async def test_a_failure_at_each_step_leaves_nothing_open(step: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("queue", "step"), [("infrai", s) for s in SQLITE_STEPS]
+                         + [("sqlite", s) for s in EMBEDDED_STEPS if s not in SQLITE_STEPS])
+async def test_a_failure_at_each_step_leaves_nothing_open(queue: str, step: str,
+                                                          tmp_path: Path) -> None:
     threads, sessions = set(threading.enumerate()), len(open_sessions())
     port = free_port()
     data = tmp_path / "data"
@@ -173,7 +179,7 @@ async def test_a_failure_at_each_step_leaves_nothing_open(step: str, tmp_path: P
     elif step == "sqlite-ledger":
         (data / "cleanup.sqlite3").mkdir(parents=True)
     taken = socket.create_server(("127.0.0.1", port)) if step == "listen" else None
-    service = Service(configure(tmp_path, port),
+    service = Service(configure(tmp_path, port, CLEANUP__QUEUE__BACKEND=queue),
                       FailingAt(None if step in REAL_CAUSES else step))
     error = await fail_at(service)
     if taken is not None:

@@ -375,6 +375,11 @@ class LedgerCore(ABC, Generic[TxT]):
                 if s.delivery is not None and s.disposition is not Disposition.KEEP]
 
     async def _settle_each(self, tx: TxT, settlements: Sequence[Settlement]) -> None:
+        # SQLite settles a lone settlement of its own queue in a group commit, one
+        # executemany per statement (sqlite/ledger.py, _settle_many): a vectorised copy
+        # of these rules, falling back here for any batch it cannot take. The ledger
+        # contract runs SQLite with its own queue (that copy) and beside a transport
+        # (this loop): a rule added here and not there fails the contract.
         sql, now = self._sql, self._now()
         settled: list[str] = []
         for s in settlements:

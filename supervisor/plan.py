@@ -21,7 +21,7 @@ import aiohttp
 from supervisor.config import Config
 from supervisor.errors import SourceError
 from supervisor.schedule import next_slot
-from supervisor.sources import CandidateSource, FileSource, HttpSource
+from supervisor.sources import source_for
 
 # Cron alone is "fits" only with this share of the ceiling to spare: a retry, a 429 pause
 # or a slow page eats into it, and the provider kills the invocation at the ceiling.
@@ -177,15 +177,10 @@ async def count_source(config: Config) -> tuple[int, int]:
     SourceError (the scan's own errors) when a page cannot be read."""
     c = config.source
     async with aiohttp.ClientSession() as session:
-        source: CandidateSource
-        if c.kind == "file":
-            assert c.path is not None
-            source = FileSource(c.path, c.format, c.id_field)
-        elif c.kind == "http":
-            source = HttpSource(c, session)
-        else:
+        if c.kind == "inline":
             raise SourceError("source.kind is 'inline': the IDs come with each tick; "
                               "give --candidates N")
+        source = source_for({"kind": c.kind}, c, session)
         seen: set[str] = set()
         cursor: str | None = None
         pages = 0

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 import aiohttp
 
@@ -23,7 +21,7 @@ from supervisor.ledger.base import Ledger
 from supervisor.model import Run
 from supervisor.queue.base import Queue
 from supervisor.queue.courier import Courier
-from supervisor.sources import CandidateSource, FileSource, HttpSource, InlineSource
+from supervisor.sources import CandidateSource, source_for
 from supervisor.states import RunState
 
 log = logging.getLogger(__name__)
@@ -59,18 +57,11 @@ class Scanner:
             await self._session.close()
 
     def _source(self, run: Run) -> CandidateSource:
-        spec: Mapping[str, Any] = run.source
-        kind = spec.get("kind")
-        if kind == "inline":
-            return InlineSource(spec.get("ids", []))
-        if kind == "file":
-            c = self.config.source
-            assert c.path is not None
-            return FileSource(c.path, c.format, c.id_field)
-        if kind == "http":
-            assert self._session is not None
-            return HttpSource(self.config.source, self._session)
-        raise SourceError(f"run {run.id} has unknown source kind {kind!r}")
+        assert self._session is not None  # opened by run(), before any scan
+        try:
+            return source_for(run.source, self.config.source, self._session)
+        except SourceError as exc:
+            raise SourceError(f"run {run.id}: {exc}") from None
 
     async def _scan(self, run: Run) -> None:
         c = self.config.source

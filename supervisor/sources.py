@@ -193,3 +193,18 @@ class HttpSource:
         if nxt is not None and nxt == cursor:
             raise SourceError("candidate source returned the same cursor again")
         return Page(ids, nxt, skipped)
+
+
+def source_for(spec: Mapping[str, Any], config: SourceConfig,
+               session: aiohttp.ClientSession) -> CandidateSource:
+    """The source a run reads: ``spec`` is the run's own (``{"kind": ..., "ids": [...]}``,
+    as the ledger keeps it), ``config`` the configured file or HTTP source. The one place
+    a kind becomes a source (the scan, and ``plan --count-source``)."""
+    kind = spec.get("kind")
+    if kind == "inline":
+        return InlineSource(spec.get("ids", []))
+    if kind == "file" and config.path is not None:
+        return FileSource(config.path, config.format, config.id_field)
+    if kind == "http":
+        return HttpSource(config, session)
+    raise SourceError(f"unknown or unconfigured source kind {kind!r}")

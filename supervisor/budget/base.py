@@ -46,6 +46,9 @@ class Grant:
     """Permission for one request; hand it back with :meth:`RateBudget.release`."""
 
     at: float  # wall clock of the grant: which cut the answer belongs to
+    # The cut its slot was paced under (BudgetState.cut_at), where the budget paces by
+    # cuts (the shared one); None: the grant's time decides.
+    cut: float | None = None
 
 
 @dataclass(slots=True)

@@ -26,7 +26,8 @@ from aiolimiter import AsyncLimiter
 
 from supervisor.budget import policy
 from supervisor.budget.announced import PACE_WINDOW_S, Announced
-from supervisor.budget.base import Admission, Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
+from supervisor.budget.base import Admission, Grant, QuotaView, Snapshot
+from supervisor.budget.feedback import PolicyChange, PolicyFeedback, shown
 from supervisor.budget.policy import BudgetState, PolicyConfig
 from supervisor.budget.quota import RollingQuota
 from supervisor.budget.settings import LimitsConfig
@@ -57,7 +58,7 @@ def tune_bucket(bucket: AsyncLimiter, rate: float, capacity: float, empty: bool 
     bucket._wake_next()  # re-arm the timer of the waiter at the head with the new rate
 
 
-class LocalBudget:
+class LocalBudget(PolicyFeedback):
     """The budget of one process. Construct it anywhere; it binds to the loop on first use."""
 
     def __init__(self, limits: LimitsConfig, key: str, store: MemoryStore | None = None,
@@ -94,13 +95,13 @@ class LocalBudget:
         if policy.overlong(self.cfg, memory, now):
             log.warning("budget memory for %s holds a pause until %s, %.0f s away: longer than "
                         "any pause may last (partner.max_retry_after_seconds = %g); dropped",
-                        self.key, _fmt(memory.paused_until), memory.paused_until - now,
+                        self.key, shown(memory.paused_until), memory.paused_until - now,
                         self.cfg.max_pause_s, extra={"action": "budget_pause_dropped"})
         self._set(policy.remembered(self.cfg, memory, now), save=False)
         for quota in self._quotas:
             quota.restore(data.get("quotas", {}).get(quota.name), now)
         log.info("budget for %s starts at %.1f/s (learnt %s, paused until %s)", self.key,
-                 self._state.rate, _fmt(memory.w_max), _fmt(self._state.paused_until or None),
+                 self._state.rate, shown(memory.w_max), shown(self._state.paused_until or None),
                  extra={"action": "budget_remembered"})
 
     async def save(self) -> None:
@@ -190,30 +191,14 @@ class LocalBudget:
     def withdraw(self, admission: Admission) -> None:
         self._slots.withdraw(admission)
 
-    def release(self, grant: Grant, feedback: Feedback) -> None:
-        self._slots.free()
-        now = self._clock()
-        if feedback.policies:
-            self._learn(feedback.policies, now)
-        if feedback.outcome is Outcome.OK:
-            self._slots.sample(feedback.latency_s, self._state.rate)
-            self._set(policy.step(self.cfg, self._state, policy.Success(), now))
-        elif feedback.outcome is Outcome.THROTTLED:
-            self._set(policy.step(self.cfg, self._state,
-                                  policy.Throttle(grant.at, feedback.retry_after_s), now))
+    def _apply(self, event: PolicyChange, now: float, cut: float | None = None) -> None:
+        self._set(policy.step(self.cfg, self._state, event, now))
 
-    def pause(self, until: float, reason: str) -> None:
-        self._set(policy.step(self.cfg, self._state, policy.Pause(until, reason), self._clock()))
+    def _succeeded(self, now: float) -> None:
+        self._set(policy.step(self.cfg, self._state, policy.Success(), now))
 
-    def resume(self, forget_limit: bool = False) -> None:
-        self._set(policy.step(self.cfg, self._state, policy.Resume(forget_limit),
-                              self._clock()))
-
-    def _learn(self, policies: tuple[Policy, ...], now: float) -> None:
-        announce, pauses = self._announced.learn(policies, now)
-        self._set(policy.step(self.cfg, self._state, announce, now))
-        for pause in pauses:
-            self._set(policy.step(self.cfg, self._state, pause, now))
+    def _rate(self) -> float:
+        return self._state.rate
 
     def _set(self, state: BudgetState, save: bool = True) -> None:
         """Take the policy's new state, and do what its change implies."""
@@ -236,13 +221,4 @@ class LocalBudget:
         views = [QuotaView(q.name, q.limit, q.window_s, q.remaining(now), q.resets_at(now))
                  for q in self._quotas]
         views += self._announced.views(now, self._state.resumed_at)
-        return Snapshot(state=self._state, ceiling=self.cfg.ceiling,
-                        concurrency_limit=self._slots.limit.value,
-                        concurrency_max=self._slots.limit.maximum, in_flight=self._slots.in_flight,
-                        concurrency_bound=self._slots.limit.bounds(self._state.rate),
-                        quotas=tuple(views))
-
-
-def _fmt(value: float | None) -> str:
-    return "nothing" if value is None else f"{value:.1f}"
-
+        return self._snapshot(self._state, views)

@@ -53,13 +53,13 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import asyncpg
 
 from supervisor.budget import policy
 from supervisor.budget.announced import Announced
-from supervisor.budget.base import Admission, Feedback, Grant, Outcome, Policy, QuotaView, Snapshot
+from supervisor.budget.base import Admission, Grant, QuotaView, Snapshot
+from supervisor.budget.feedback import PolicyChange, PolicyFeedback, shown
 from supervisor.budget.policy import BudgetState, PolicyConfig
 from supervisor.budget.quota import RollingQuota
 from supervisor.budget.settings import LimitsConfig
@@ -84,14 +84,8 @@ CLOSE_FLUSH_S = 2.0
 CLOSE_WAIT_S = 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class SharedGrant(Grant):
-    """A grant, with the cut its slot was paced under (``BudgetState.cut_at``)."""
 
-    paced_cut: float
-
-
-class PostgresBudget:
+class PostgresBudget(PolicyFeedback):
     """One replica's handle on the budget all replicas share. ``start()`` before use,
     ``close()`` at the end."""
 
@@ -162,7 +156,7 @@ class PostgresBudget:
             self._view.event(policy.Resume(), now)
         state = self._view.state
         log.info("shared budget for %s starts at %.1f/s (learnt %s, paused until %s%s)",
-                 self.key, state.rate, _fmt(state.w_max), _fmt(state.paused_until or None),
+                 self.key, state.rate, shown(state.w_max), shown(state.paused_until or None),
                  ", a new life" if alone else "",
                  extra={"action": "budget_remembered" if alone else "budget_joined"})
 
@@ -256,7 +250,7 @@ class PostgresBudget:
                 if state.paused_until <= now:
                     self.grants += 1
                     self._book.granted(now)
-                    return SharedGrant(at=now, paced_cut=state.cut_at)
+                    return Grant(at=now, cut=state.cut_at)
                 # A pause began while we waited for the slot: the slot is forfeit.
             # A hold began after the admission: nothing is granted before it ends.
         except BaseException:
@@ -338,33 +332,16 @@ class PostgresBudget:
         self._view.adopt(await self._table.locked(decide), self._view.next_seq())
         return Block(slots, gen, now)
 
-    def release(self, grant: Grant, feedback: Feedback) -> None:
-        self._slots.free()
-        now = self._clock()
-        if feedback.policies:
-            self._learn(feedback.policies, now)
-        if feedback.outcome is Outcome.OK:
-            self._slots.sample(feedback.latency_s, self._view.state.rate)
-            self._view.success(now)
-        elif feedback.outcome is Outcome.THROTTLED:
-            # Whether it cuts is decided by the cut it was paced under, not by clocks: see
-            # pg_row.apply.
-            self._view.event(policy.Throttle(grant.at, feedback.retry_after_s), now,
-                             grant.paced_cut if isinstance(grant, SharedGrant) else None)
+    def _apply(self, event: PolicyChange, now: float, cut: float | None = None) -> None:
+        # Whether a 429 cuts is decided by the cut it was paced under, not by clocks (see
+        # budget_row.apply); the row is written with a NOTIFY (budget_row.with_events).
+        self._view.event(event, now, cut)
 
-    def pause(self, until: float, reason: str) -> None:
-        self._view.event(policy.Pause(until, reason), self._clock())
+    def _succeeded(self, now: float) -> None:
+        self._view.success(now)
 
-    def resume(self, forget_limit: bool = False) -> None:
-        # Written to the row with a NOTIFY (pg_row.with_events): every replica's workers
-        # go on, and the slots start afresh from now.
-        self._view.event(policy.Resume(forget_limit), self._clock())
-
-    def _learn(self, policies: tuple[Policy, ...], now: float) -> None:
-        announce, pauses = self._announced.learn(policies, now)
-        self._view.event(announce, now)
-        for pause in pauses:
-            self._view.event(pause, now)
+    def _rate(self) -> float:
+        return self._view.state.rate
 
     def _fault(self, what: str, exc: Exception) -> None:
         """Log a failed ``what`` once (a warning) until it works again."""
@@ -391,11 +368,7 @@ class PostgresBudget:
             # Callers hold this host's clock against it (time.time()): the budget's times
             # are PostgreSQL's, so they are handed over on this host's.
             state, views = _on_host_clock(state, views, self._db_clock.offset)
-        return Snapshot(state=state, ceiling=self.cfg.ceiling,
-                        concurrency_limit=self._slots.limit.value,
-                        concurrency_max=self._slots.limit.maximum, in_flight=self._slots.in_flight,
-                        concurrency_bound=self._slots.limit.bounds(state.rate),
-                        quotas=tuple(views))
+        return self._snapshot(state, views)
 
 
 def _on_host_clock(state: BudgetState, views: list[QuotaView], offset: float,
@@ -408,7 +381,3 @@ def _on_host_clock(state: BudgetState, views: list[QuotaView], offset: float,
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def _fmt(value: float | None) -> str:
-    return "nothing" if value is None else f"{value:.1f}"

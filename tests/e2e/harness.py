@@ -373,14 +373,21 @@ class Service:
 
     # process control
 
+    # What a subclass changes of its processes: their class, global flags, and whether
+    # their stdout is kept (the fault suite's are).
+    process_type: type[ServiceProcess] = ServiceProcess
+    global_args: tuple[str, ...] = ()
+    keep_stdout = False
+
     async def spawn(self) -> ServiceProcess:
         """Start a ``serve`` process without waiting for it to listen."""
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "supervisor", "serve", "--config", str(self.config_path),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            sys.executable, "-m", "supervisor", *self.global_args, "serve",
+            "--config", str(self.config_path), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE if self.keep_stdout else asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, env=self.env)
         self.e2e.processes.add(proc)
-        sp = ServiceProcess(proc)
+        sp = self.process_type(proc)
         self.history.append(sp)
         self.current = sp
         return sp
@@ -503,20 +510,27 @@ class E2E:
                          "PYTHONUNBUFFERED": "1"})
         self.services: list[Service] = []
 
-    async def sandbox(self, *args: str | float) -> Sandbox:
-        argv = tuple(str(a) for a in args)
+    async def _listening(self, what: str, module: str, argv: tuple[str, ...],
+                         env: dict[str, str]) -> tuple[str, asyncio.subprocess.Process]:
+        """Start ``python -m module --port 0 argv`` and read the URL it prints once it
+        listens."""
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "cleanup_sandbox", "--port", "0",
-            "--token-env", "SANDBOX_TOKEN", *argv,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=self.env)
+            sys.executable, "-m", module, "--port", "0", *argv,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=env)
         self.processes.add(proc)
         assert proc.stdout is not None
         async with asyncio.timeout(STARTUP_TIMEOUT_S):
             line = await proc.stdout.readline()
         if not line:
-            raise AssertionError(f"the partner simulator exited ({await proc.wait()}) "
-                                 f"before it listened; args {argv}")
-        return Sandbox(orjson.loads(line)["url"], proc, self.partner_token, self.http, argv)
+            raise AssertionError(f"the {what} exited ({await proc.wait()}) before it "
+                                 f"listened; args {argv}")
+        return str(orjson.loads(line)["url"]), proc
+
+    async def sandbox(self, *args: str | float) -> Sandbox:
+        argv = tuple(str(a) for a in args)
+        url, proc = await self._listening("partner simulator", "cleanup_sandbox",
+                                          ("--token-env", "SANDBOX_TOKEN", *argv), self.env)
+        return Sandbox(url, proc, self.partner_token, self.http, argv)
 
     async def infrai(self, *args: str | float) -> Infrai:
         """Start the Infrai emulator (``args`` are its flags, one per EmulatorConfig
@@ -525,18 +539,11 @@ class E2E:
         key = "ifr_" + secrets.token_urlsafe(24)
         control_key = secrets.token_urlsafe(24)
         env = {**self.env, "E2E_INFRAI_KEY": key, "E2E_INFRAI_CONTROL_KEY": control_key}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "cleanup_sandbox.infrai", "--port", "0",
-            "--key-env", "E2E_INFRAI_KEY", "--control-key-env", "E2E_INFRAI_CONTROL_KEY", *argv,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=env)
-        self.processes.add(proc)
-        assert proc.stdout is not None
-        async with asyncio.timeout(STARTUP_TIMEOUT_S):
-            line = await proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the Infrai emulator exited ({await proc.wait()}) before it "
-                                 f"listened; args {argv}")
-        return Infrai(orjson.loads(line)["url"], proc, key, control_key, self.http, argv)
+        url, proc = await self._listening(
+            "Infrai emulator", "cleanup_sandbox.infrai",
+            ("--key-env", "E2E_INFRAI_KEY", "--control-key-env", "E2E_INFRAI_CONTROL_KEY",
+             *argv), env)
+        return Infrai(url, proc, key, control_key, self.http, argv)
 
     def service(self, sandbox: Sandbox | None, overrides: Sections | None = None,
                 name: str = "service", infrai: Infrai | None = None) -> Service:

@@ -31,7 +31,6 @@ import contextlib
 import random
 import re
 import signal
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -142,6 +141,9 @@ class FaultService(Service):
     """A :class:`Service` whose processes may take global flags (``--log-level debug``)
     and their own environment, keep their stdout, and stop gracefully on request."""
 
+    process_type = FaultProcess
+    keep_stdout = True
+
     def __init__(self, e2e: E2E, config: dict[str, dict[str, Any]], name: str,
                  global_args: Sequence[str] = (), env: dict[str, str] | None = None,
                  infrai: Infrai | None = None) -> None:
@@ -151,18 +153,6 @@ class FaultService(Service):
         self.kills = 0
         self.history: list[FaultProcess] = []  # type: ignore[assignment]
         self.current: FaultProcess | None = None  # type: ignore[assignment]
-
-    async def spawn(self) -> FaultProcess:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "supervisor", *self.global_args, "serve",
-            "--config", str(self.config_path),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=self.env)
-        self.e2e.processes.add(proc)
-        sp = FaultProcess(proc)
-        self.history.append(sp)
-        self.current = sp
-        return sp
 
     async def start(self) -> FaultProcess:
         await super().start()

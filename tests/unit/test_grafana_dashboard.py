@@ -106,3 +106,11 @@ def test_docs_describe_every_panel() -> None:
     for panel in _panels():
         for target in panel.get("targets", []):
             assert target["expr"] in docs, (panel["title"], target["expr"])
+
+
+def test_the_operations_guide_names_the_job_the_rules_select() -> None:
+    # An operator names the scrape job from the docs: a rename in the rules must reach them.
+    job = _job()
+    guide = (PACKAGING.parent / "docs" / "operations.md").read_text()
+    assert f"**The Prometheus scrape job must be named `{job}`**" in guide
+    assert f'`job="{job}"`' in guide

@@ -176,7 +176,12 @@ async def test_sigkill_storm(e2e: E2E, fault: Fault, mode: Mode) -> None:
         svc.ledger_path, {op: rows.terminal_at[op] for op in cut.values()})
     assert not any(late_attempts.values()), late_attempts
     recipient_of = {op["id"]: op["recipient_id"] for op in v.ops}
-    assert all(v.executions[recipient_of[op]] == 1 for op in cut.values())
+    # Executed once at most: none was sent again after its commit. Once, but for an
+    # operation killed before its request left, whose recipient the partner never had
+    # (the simulator's absent share): without keys a probe settles it, nothing is sent.
+    assert all(v.executions[recipient_of[op]] <= 1 for op in cut.values())
+    assert sum(v.executions[recipient_of[op]] == 0 for op in cut.values()) <= \
+        v.stats["initially_absent"], v.stats
 
     if mode.keys:
         assert v.ledger.outcomes[("delete", "unknown")] >= 1, v.ledger.outcomes

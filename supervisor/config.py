@@ -31,6 +31,7 @@ from supervisor.authsettings import (
     service_problems,
     token_problems,
 )
+from supervisor.batch.settings import BatchConfig
 from supervisor.budget.settings import LimitsConfig
 from supervisor.configtypes import (
     MISSING_SECRET,
@@ -234,6 +235,7 @@ class Config:
     infrai: InfraiConfig = field(default_factory=InfraiConfig)
     partner: PartnerConfig = field(default_factory=PartnerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     status: StatusConfig = field(default_factory=StatusConfig)
     api: ApiConfig = field(default_factory=ApiConfig)

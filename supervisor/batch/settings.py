@@ -1,0 +1,100 @@
+"""The ``[batch]`` section: how a partner that deletes many recipients per request is
+called, what its answer looks like, and which unit its limit counts (docs/batch.md)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from supervisor.configtypes import _positive
+
+Shape = Literal["", "per_item", "accepted", "job"]
+Cost = Literal["requests", "items"]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchConfig:
+    # "" (the default): one DELETE per recipient. "per_item": one verdict per id in the
+    # answer (Salesforce Collections, Graph $batch, Firebase, Box). "accepted": accepted
+    # whole, nothing per id (HubSpot 204, Braze, SendGrid 202): every id is probed.
+    # "job": a job submitted, then polled for its per-id results (Mailchimp, Zendesk,
+    # Segment, Salesforce Bulk).
+    shape: Shape = ""
+    method: Literal["POST", "DELETE", "PUT"] = "POST"
+    path: str = "/recipients/batch-delete"
+    # Where the ids go: a JSON array under ``ids_field``; a comma list in the query
+    # parameter ``ids_field``; or comma-joined into ``{ids}`` in the path.
+    ids_in: Literal["json", "query", "path"] = "json"
+    ids_field: str = "ids"
+    max_items: int = 100
+    # The most bytes of ids (JSON array or comma list) one request may carry.
+    max_bytes: int = 65536
+    # A batch leaves when it is full, at the byte cap, or this long after its first id.
+    linger_seconds: float = 0.05
+    # Ids that may not share a batch (Braze: one identifier type per request): a regular
+    # expression whose first group (else whole match) of the recipient ID is the key; ""
+    # puts every id in one partition.
+    partition_pattern: str = ""
+    # What the partner's limit counts: every request ("requests": a batch costs one
+    # token of [limits]) or every id ("items": [limits].rate_per_second is ids per
+    # second, and a batch of k costs k).
+    cost: Cost = "requests"
+    # The answer: the array of per-id results, and each result's fields. A result's
+    # verdict is an HTTP status code (Graph, Box, Google's parts): 2xx deleted, 404/410
+    # already absent, 429 throttled, 408/409/5xx retryable, any other permanent.
+    results_field: str = "results"
+    item_id_field: str = "id"
+    item_status_field: str = "status"
+    # "accepted" partners: confirm each id with a probe (partner.probe_path). Settling
+    # them unprobed trusts that an accepted batch deleted every id, which HubSpot's 204
+    # ("regardless of the initial state") does not promise: silent misses go unseen.
+    settle_accepted_unprobed_risking_silent_misses: bool = False
+    # Probe an accepted batch's ids this long after the answer (a partner that applies
+    # the deletion asynchronously needs a moment).
+    probe_delay_seconds: float = 0.0
+    # "job" partners: the job reference in the submission's answer, where its status is
+    # read, the status field and its values, when its results expire, and where a job is
+    # looked up by our batch ID (sent under ``tag_field``) after a submission whose
+    # answer was lost ("" when the partner has no such lookup: its items are probed).
+    job_ref_field: str = "job_id"
+    job_path: str = "/recipients/batch-jobs/{job_id}"
+    job_status_field: str = "status"
+    job_done_values: tuple[str, ...] = ("finished", "partial_success", "failed")
+    job_expires_field: str = "expires_at"
+    job_lookup_path: str = "/recipients/batch-jobs?tag={batch_id}"
+    tag_field: str = "tag"
+    # Jobs submitted and not finished, per partner (shared by replicas).
+    max_jobs_in_flight: int = 4
+    poll_initial_seconds: float = 0.5
+    poll_max_seconds: float = 30.0
+    # A job still unfinished this long after its submission pages
+    # (CleanupBatchJobOverdue); its items are then probed.
+    job_deadline_seconds: float = 3600.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.shape != ""
+
+    def problems(self) -> list[str]:
+        out = _positive("batch", self, "max_items", "max_bytes", "max_jobs_in_flight",
+                        "poll_initial_seconds", "poll_max_seconds", "job_deadline_seconds")
+        for key in ("linger_seconds", "probe_delay_seconds"):
+            if not getattr(self, key) >= 0:
+                out.append(f"batch.{key} must be >= 0, got {getattr(self, key)}")
+        if self.ids_in == "path" and "{ids}" not in self.path:
+            out.append(f"batch.path must contain {{ids}} when batch.ids_in = 'path', "
+                       f"got {self.path!r}")
+        if self.shape == "job" and "{job_id}" not in self.job_path:
+            out.append(f"batch.job_path must contain {{job_id}}, got {self.job_path!r}")
+        if self.job_lookup_path and "{batch_id}" not in self.job_lookup_path:
+            out.append(f"batch.job_lookup_path must contain {{batch_id}} (or be \"\"), "
+                       f"got {self.job_lookup_path!r}")
+        if self.partition_pattern:
+            try:
+                re.compile(self.partition_pattern)
+            except re.error as exc:
+                out.append(f"batch.partition_pattern is not a regular expression: {exc}")
+        if self.poll_max_seconds < self.poll_initial_seconds:
+            out.append("batch.poll_max_seconds must be >= batch.poll_initial_seconds")
+        return out

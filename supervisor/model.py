@@ -219,3 +219,38 @@ class Backlog:
 
     events: int
     oldest_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One request (or job) that carried many operations' attempts (docs/batch.md).
+
+    ``state``: ``formed`` (its attempts written, the request not yet known to have
+    left), ``sent`` (in the air or answered; its items settle on their own verdicts),
+    ``submitted`` (a job the partner holds: ``job_ref``), ``closed`` (every item
+    settled, or the job's results copied). Our ``id`` is the partner's idempotency key
+    and a job's tag."""
+
+    id: str
+    shape: str
+    size: int
+    state: str
+    created_at: float
+    job_ref: str | None = None
+    submitted_at: float | None = None
+    polled_at: float | None = None
+    closed_at: float | None = None
+    results_expire_at: float | None = None
+    detail: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchMember:
+    """An attempt a batch carried: its operation, position in the request, recipient,
+    and its outcome (None while unknown)."""
+
+    operation_id: str
+    position: int
+    attempt_id: int
+    recipient_id: str
+    outcome: str | None

@@ -8,6 +8,8 @@ from typing import Any, Protocol
 from supervisor.model import (
     Attempt,
     Backlog,
+    Batch,
+    BatchMember,
     Delivery,
     Event,
     LedgerStats,
@@ -25,7 +27,41 @@ from supervisor.model import (
 from supervisor.states import OpState
 
 
-class Ledger(Protocol):
+class BatchRecords(Protocol):
+    """The batches that carried operations' attempts (docs/batch.md): one row each, and
+    each attempt's batch and position. An operation never settles on its batch's state:
+    these records tell which request or job an open attempt went out in, so that it is
+    found again (a job polled, a batch sent again under its key) instead of resent."""
+
+    async def record_batch(self, batch: Batch, members: Sequence[tuple[int, int]]) -> None:
+        """Write ``batch`` and link its attempts, ``(attempt_id, position)``, before the
+        request leaves."""
+
+    async def update_batch(self, batch_id: str, state: str, *, job_ref: str | None = None,
+                           submitted: bool = False, polled: bool = False,
+                           results_expire_at: float | None = None,
+                           detail: str | None = None) -> None:
+        """Move ``batch_id`` to ``state`` (closing it when ``closed``), recording what is
+        given; what is not given is kept."""
+
+    async def reserve_job(self, batch_id: str, cap: int) -> bool:
+        """Count ``batch_id`` among the jobs in flight if fewer than ``cap`` are (across
+        replicas): True, and the batch is ``submitting``; False, nothing written."""
+
+    async def get_batch(self, batch_id: str) -> Batch | None: ...
+
+    async def batch_members(self, batch_id: str) -> list[BatchMember]:
+        """The attempts ``batch_id`` carried, by position."""
+
+    async def open_batch_of(self, operation_id: str) -> Batch | None:
+        """The batch of the operation's open attempt (None: no open attempt, or not one
+        a batch carried)."""
+
+    async def open_jobs(self) -> list[Batch]:
+        """Batches submitted as jobs (or being submitted) and not closed, oldest first."""
+
+
+class Ledger(BatchRecords, Protocol):
     """Truth about runs and operations. Every write is durable when the call returns."""
 
     @property

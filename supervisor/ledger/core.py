@@ -24,6 +24,7 @@ import orjson
 from supervisor import states
 from supervisor.errors import AttemptOpen, OperationBusy, ScanConflict
 from supervisor.ledger import rows
+from supervisor.ledger.batches import BatchBook
 from supervisor.ledger.driver import Row, Statements, Tx
 from supervisor.ledger.ids import new_event_id, new_operation_id, new_run_id
 from supervisor.model import (
@@ -60,7 +61,7 @@ class Storage(Protocol):
     async def close(self) -> None: ...
 
 
-class LedgerCore(ABC, Generic[TxT]):
+class LedgerCore(BatchBook, ABC, Generic[TxT]):
     """The ledger and its events outbox over one backend's statements and unit of work."""
 
     def __init__(self, db: Storage, sql: Statements, owns_queue: bool,

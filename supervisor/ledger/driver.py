@@ -89,6 +89,15 @@ class Statements(Protocol):
     HAS_OPEN_ATTEMPT: str
     CLOSE_OPEN_ATTEMPTS: str
     SELECT_ATTEMPTS: str
+    # batches (supervisor/ledger/batches.py)
+    INSERT_BATCH: str
+    LINK_ATTEMPT: str
+    UPDATE_BATCH: str
+    COUNT_JOBS: str
+    SELECT_BATCH: str
+    SELECT_BATCH_MEMBERS: str
+    SELECT_OPEN_BATCH_OF: str
+    SELECT_OPEN_JOBS: str
     # the queue table, when the ledger owns the queue
     INSERT_MESSAGE: str
     DELETE_MESSAGE: str

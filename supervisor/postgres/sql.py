@@ -134,6 +134,27 @@ MIGRATIONS = (
         "CREATE INDEX IF NOT EXISTS runs_schedule_unfinished ON runs(schedule, created_at, id) "
         "WHERE state != 'done'",
     )),
+    # Batch partners (docs/batch.md): the request or job that carried many attempts.
+    Migration("ledger", 4, (
+        f"""CREATE TABLE IF NOT EXISTS batches (
+            id TEXT PRIMARY KEY,
+            shape TEXT NOT NULL,
+            size INTEGER NOT NULL,
+            state TEXT NOT NULL,
+            created_at {_T} NOT NULL,
+            job_ref TEXT,
+            submitted_at {_T},
+            polled_at {_T},
+            closed_at {_T},
+            results_expire_at {_T},
+            detail TEXT)""",
+        "CREATE INDEX IF NOT EXISTS batches_open ON batches(state, created_at) "
+        "WHERE state != 'closed'",
+        "ALTER TABLE attempts ADD COLUMN IF NOT EXISTS batch_id TEXT",
+        "ALTER TABLE attempts ADD COLUMN IF NOT EXISTS batch_position INTEGER",
+        "CREATE INDEX IF NOT EXISTS attempts_batch ON attempts(batch_id) "
+        "WHERE batch_id IS NOT NULL",
+    )),
 )
 
 DB_NOW = "extract(epoch from clock_timestamp())::double precision"
@@ -457,4 +478,41 @@ PRUNE_EVENTS = (
     "  LEFT JOIN event_cursors c ON c.sink = j.sink), 9223372036854775807),"
     " COALESCE((SELECT seq - 1 FROM events WHERE at >= $2 ORDER BY seq LIMIT 1),"
     "  9223372036854775807)) ORDER BY seq LIMIT $3)"
+)
+
+
+# batches (supervisor/ledger/batches.py); UPDATE_BATCH: id, state, job_ref, submitted_at,
+# polled_at, closed_at, results_expire_at, detail (NULL keeps what is there).
+_BATCH_COLUMNS = ("id, shape, size, state, created_at, job_ref, submitted_at, polled_at, "
+                  "closed_at, results_expire_at, detail")
+INSERT_BATCH = (
+    "INSERT INTO batches (id, shape, size, state, created_at) "
+    "VALUES ($1, $2, $3, $4, $5)"
+)
+LINK_ATTEMPT = "UPDATE attempts SET batch_id = $1, batch_position = $2 WHERE id = $3"
+UPDATE_BATCH = (
+    "UPDATE batches SET state = $2, job_ref = COALESCE($3, job_ref), "
+    "submitted_at = COALESCE($4, submitted_at), polled_at = COALESCE($5, polled_at), "
+    "closed_at = COALESCE($6, closed_at), "
+    "results_expire_at = COALESCE($7, results_expire_at), detail = COALESCE($8, detail) "
+    "WHERE id = $1"
+)
+COUNT_JOBS = (
+    "SELECT count(*) FROM batches WHERE state IN ('submitting', 'submitted') AND id != $1"
+)
+SELECT_BATCH = f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = $1"
+SELECT_BATCH_MEMBERS = (
+    "SELECT a.operation_id, a.batch_position, a.id, o.recipient_id, a.outcome "
+    "FROM attempts a JOIN operations o ON o.id = a.operation_id "
+    "WHERE a.batch_id = $1 ORDER BY a.batch_position"
+)
+SELECT_OPEN_BATCH_OF = (
+    "SELECT b.id, b.shape, b.size, b.state, b.created_at, b.job_ref, b.submitted_at, "
+    "b.polled_at, b.closed_at, b.results_expire_at, b.detail FROM attempts a "
+    "JOIN batches b ON b.id = a.batch_id WHERE a.operation_id = $1 AND a.outcome IS NULL "
+    "ORDER BY a.id DESC LIMIT 1"
+)
+SELECT_OPEN_JOBS = (
+    f"SELECT {_BATCH_COLUMNS} FROM batches WHERE state IN ('submitting', 'submitted') "
+    "ORDER BY created_at"
 )

@@ -130,6 +130,7 @@ class Database:
         if "runs" in added:
             await conn.execute(sql.BACKFILL_SOURCE_KIND)
         await conn.execute(sql.ACTIVE_INDEX)
+        await conn.execute(sql.BATCH_INDEX)
 
     async def _connect(self) -> aiosqlite.Connection:
         """Connect the writer, the reader and the lister; returns the writer."""

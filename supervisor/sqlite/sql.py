@@ -74,6 +74,23 @@ CREATE TABLE IF NOT EXISTS attempts (
 );
 CREATE INDEX IF NOT EXISTS attempts_operation ON attempts(operation_id);
 
+-- A request (or job) that carried many attempts (docs/batch.md); each attempt it carried
+-- names it (attempts.batch_id, batch_position).
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY,                    -- ours: the idempotency key and the job's tag
+    shape TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    state TEXT NOT NULL,                    -- formed | sent | submitting | submitted | closed
+    created_at REAL NOT NULL,
+    job_ref TEXT,                           -- the partner's job reference
+    submitted_at REAL,
+    polled_at REAL,
+    closed_at REAL,
+    results_expire_at REAL,
+    detail TEXT
+);
+CREATE INDEX IF NOT EXISTS batches_open ON batches(state, created_at) WHERE state != 'closed';
+
 -- The embedded queue: one row per operation. available_at doubles as the lease expiry,
 -- so an expired lease is simply a claimable message again.
 CREATE TABLE IF NOT EXISTS messages (
@@ -140,6 +157,11 @@ ACTIVE_INDEX = (
     "WHERE state IN ('queued', 'retry_wait', 'in_flight')"
 )
 
+# The attempts a batch carried (created after attempts.batch_id exists).
+BATCH_INDEX = (
+    "CREATE INDEX IF NOT EXISTS attempts_batch ON attempts(batch_id) WHERE batch_id IS NOT NULL"
+)
+
 # Columns added after the first release: an existing ledger file gains them at open.
 ADDED_COLUMNS = (
     ("operations", "message_id", "TEXT"),
@@ -149,6 +171,8 @@ ADDED_COLUMNS = (
     ("operations", "received_at", "REAL"),
     ("operations", "leased_until", "REAL"),
     ("runs", "source_kind", "TEXT"),
+    ("attempts", "batch_id", "TEXT"),
+    ("attempts", "batch_position", "INTEGER"),
 )
 # A migrated file's runs get their kind from the JSON once, at open.
 BACKFILL_SOURCE_KIND = (
@@ -485,4 +509,41 @@ PRUNE_EVENTS = (
     "  LEFT JOIN event_cursors c ON c.sink = j.value), 9223372036854775807),"
     " COALESCE((SELECT seq - 1 FROM events WHERE at >= ?2 ORDER BY seq LIMIT 1),"
     "  9223372036854775807)) ORDER BY seq LIMIT ?3)"
+)
+
+
+# batches (supervisor/ledger/batches.py); UPDATE_BATCH: id, state, job_ref, submitted_at,
+# polled_at, closed_at, results_expire_at, detail (NULL keeps what is there).
+_BATCH_COLUMNS = ("id, shape, size, state, created_at, job_ref, submitted_at, polled_at, "
+                  "closed_at, results_expire_at, detail")
+INSERT_BATCH = (
+    "INSERT INTO batches (id, shape, size, state, created_at) "
+    "VALUES (?1, ?2, ?3, ?4, ?5)"
+)
+LINK_ATTEMPT = "UPDATE attempts SET batch_id = ?1, batch_position = ?2 WHERE id = ?3"
+UPDATE_BATCH = (
+    "UPDATE batches SET state = ?2, job_ref = COALESCE(?3, job_ref), "
+    "submitted_at = COALESCE(?4, submitted_at), polled_at = COALESCE(?5, polled_at), "
+    "closed_at = COALESCE(?6, closed_at), "
+    "results_expire_at = COALESCE(?7, results_expire_at), detail = COALESCE(?8, detail) "
+    "WHERE id = ?1"
+)
+COUNT_JOBS = (
+    "SELECT count(*) FROM batches WHERE state IN ('submitting', 'submitted') AND id != ?1"
+)
+SELECT_BATCH = f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?1"
+SELECT_BATCH_MEMBERS = (
+    "SELECT a.operation_id, a.batch_position, a.id, o.recipient_id, a.outcome "
+    "FROM attempts a JOIN operations o ON o.id = a.operation_id "
+    "WHERE a.batch_id = ?1 ORDER BY a.batch_position"
+)
+SELECT_OPEN_BATCH_OF = (
+    "SELECT b.id, b.shape, b.size, b.state, b.created_at, b.job_ref, b.submitted_at, "
+    "b.polled_at, b.closed_at, b.results_expire_at, b.detail FROM attempts a "
+    "JOIN batches b ON b.id = a.batch_id WHERE a.operation_id = ?1 AND a.outcome IS NULL "
+    "ORDER BY a.id DESC LIMIT 1"
+)
+SELECT_OPEN_JOBS = (
+    f"SELECT {_BATCH_COLUMNS} FROM batches WHERE state IN ('submitting', 'submitted') "
+    "ORDER BY created_at"
 )

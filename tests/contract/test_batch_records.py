@@ -1,0 +1,86 @@
+"""The BatchRecords protocol's contract (supervisor/ledger/base.py): both ledgers, read
+only through the protocol. A batch row, its attempts by position, the batch of an
+operation's open attempt, and the job cap shared by everyone writing to one ledger."""
+
+from __future__ import annotations
+
+import asyncio
+
+from supervisor.model import Batch, Settlement
+from supervisor.states import OpState
+from tests.contract.test_ledger import Backend, backend, discovered_run, embedded_target  # noqa: F401
+
+
+async def _batch_of(b: Backend, ids: list[str], batch_id: str = "b-1",
+                    shape: str = "job") -> list[str]:
+    run = await discovered_run(b, ids)
+    ops = await b.ledger.list_operations(run.id, None, None, 100)
+    attempts = [await b.ledger.begin_attempt(op.id, "delete") for op in ops]
+    await b.ledger.record_batch(Batch(batch_id, shape, len(ops), "formed", 0.0),
+                                [(a, pos) for pos, a in enumerate(attempts)])
+    return [op.id for op in ops]
+
+
+class TestBatchRecords:
+    async def test_members_come_back_by_position_with_their_recipients(
+            self, backend: Backend) -> None:
+        op_ids = await _batch_of(backend, ["r-1", "r-2", "r-3"])
+        members = await backend.ledger.batch_members("b-1")
+        assert [m.position for m in members] == [0, 1, 2]
+        assert [m.operation_id for m in members] == op_ids
+        assert sorted(m.recipient_id for m in members) == ["r-1", "r-2", "r-3"]
+        assert all(m.outcome is None for m in members)
+        batch = await backend.ledger.get_batch("b-1")
+        assert batch is not None and (batch.state, batch.size, batch.shape) == ("formed", 3, "job")
+        assert await backend.ledger.get_batch("nope") is None
+
+    async def test_an_open_attempt_names_its_batch_until_it_is_settled(
+            self, backend: Backend) -> None:
+        op_ids = await _batch_of(backend, ["r-1", "r-2"])
+        found = await backend.ledger.open_batch_of(op_ids[0])
+        assert found is not None and found.id == "b-1"
+        [member] = [m for m in await backend.ledger.batch_members("b-1")
+                    if m.operation_id == op_ids[0]]
+        await backend.ledger.settle([Settlement(op_ids[0], OpState.DELETED, None,
+                                                attempt_id=member.attempt_id,
+                                                outcome="deleted", status=200)])
+        assert await backend.ledger.open_batch_of(op_ids[0]) is None
+        assert await backend.ledger.open_batch_of(op_ids[1]) is not None
+        outcomes = {m.operation_id: m.outcome for m in await backend.ledger.batch_members("b-1")}
+        assert outcomes == {op_ids[0]: "deleted", op_ids[1]: None}
+
+    async def test_updates_keep_what_they_do_not_name_and_close(self, backend: Backend) -> None:
+        await _batch_of(backend, ["r-1"])
+        await backend.ledger.update_batch("b-1", "submitted", job_ref="J-7", submitted=True,
+                                          results_expire_at=1234.0)
+        await backend.ledger.update_batch("b-1", "submitted", polled=True, detail="running")
+        batch = await backend.ledger.get_batch("b-1")
+        assert batch is not None
+        assert (batch.job_ref, batch.results_expire_at, batch.detail) == ("J-7", 1234.0,
+                                                                          "running")
+        assert batch.submitted_at is not None and batch.polled_at is not None
+        assert batch.closed_at is None
+        assert [j.id for j in await backend.ledger.open_jobs()] == ["b-1"]
+        await backend.ledger.update_batch("b-1", "closed")
+        batch = await backend.ledger.get_batch("b-1")
+        assert batch is not None and batch.closed_at is not None
+        assert await backend.ledger.open_jobs() == []
+
+    async def test_the_job_cap_holds_under_concurrent_reservations(
+            self, backend: Backend) -> None:
+        run = await discovered_run(backend, [f"r-{i}" for i in range(6)])
+        ops = await backend.ledger.list_operations(run.id, None, None, 100)
+        for i, op in enumerate(ops):
+            attempt = await backend.ledger.begin_attempt(op.id, "delete")
+            await backend.ledger.record_batch(Batch(f"b-{i}", "job", 1, "formed", 0.0),
+                                              [(attempt, 0)])
+        got = await asyncio.gather(*(backend.ledger.reserve_job(f"b-{i}", 2)
+                                     for i in range(6)))
+        assert sum(got) == 2
+        assert len(await backend.ledger.open_jobs()) == 2
+        # A reservation already held is not counted against itself.
+        held = [i for i, ok in enumerate(got) if ok]
+        assert await backend.ledger.reserve_job(f"b-{held[0]}", 2)
+        await backend.ledger.update_batch(f"b-{held[0]}", "closed")
+        free = [i for i, ok in enumerate(got) if not ok]
+        assert await backend.ledger.reserve_job(f"b-{free[0]}", 2)

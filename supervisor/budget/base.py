@@ -131,9 +131,10 @@ class RateBudget(Protocol):
         attempt is written), so a long hold does not keep an attempt open.
         """
 
-    async def acquire(self) -> Grant:
-        """Wait for a concurrency slot, the pause and quotas, then a token; the request
-        should leave right after. Cancellation takes nothing."""
+    async def acquire(self, cost: int = 1) -> Grant:
+        """Wait for a concurrency slot, the pause and quotas, then ``cost`` tokens (a batch
+        of k ids to a partner whose limit counts ids costs k); the request should leave
+        right after. Cancellation takes nothing."""
 
     async def admit(self) -> Admission:
         """The first half of :meth:`acquire`: wait for a concurrency slot and out any hold,
@@ -141,8 +142,8 @@ class RateBudget(Protocol):
         never open while its worker waits for a slot or a pause. Cancellation takes
         nothing."""
 
-    async def grant(self, admission: Admission) -> Grant | None:
-        """The second half: wait for the token under ``admission``'s slot (which it
+    async def grant(self, admission: Admission, cost: int = 1) -> Grant | None:
+        """The second half: wait for ``cost`` tokens under ``admission``'s slot (which it
         spends). None, with the slot freed, when a hold began meanwhile (a Retry-After, a
         spent quota): the caller closes its attempt unsent and waits out the hold before
         writing another. Cancellation frees the slot and takes nothing."""

@@ -159,26 +159,30 @@ class LocalBudget(PolicyFeedback):
             self._emptied_for = self._state.paused_until
             self._tune(empty=True)
 
-    async def acquire(self) -> Grant:
+    async def acquire(self, cost: int = 1) -> Grant:
         while True:
-            if (grant := await self.grant(await self.admit())) is not None:
+            if (grant := await self.grant(await self.admit(), cost)) is not None:
                 return grant
 
     async def admit(self) -> Admission:
         return await self._slots.admit(self.ready, self._clock)
 
-    async def grant(self, admission: Admission) -> Grant | None:
+    async def grant(self, admission: Admission, cost: int = 1) -> Grant | None:
         if admission.spent:
             raise RuntimeError("LocalBudget.grant: this admission was spent already")
         admission.spent = True
         bucket, _ = self._ensure()
         try:
             if not self._held_until(self._clock())[0]:
-                await bucket.acquire()
+                # One token at a time: a strict bucket holds one, and a batch's cost must
+                # be paced as that many requests would be, not taken in one burst.
+                for _ in range(max(1, cost)):
+                    await bucket.acquire()
                 now = self._clock()
                 if not self._held_until(now)[0]:
                     for q in self._quotas:
-                        q.take(now)
+                        for _ in range(max(1, cost)):
+                            q.take(now)
                     return Grant(at=now)
             # A hold began after the admission (or while we waited for the token, which
             # is then forfeit): nothing is granted before it ends.

@@ -226,20 +226,21 @@ class PostgresBudget(PolicyFeedback):
                 async with asyncio.timeout(max(0.0, until - self._clock())):
                     await self._changed.wait()
 
-    async def acquire(self) -> Grant:
+    async def acquire(self, cost: int = 1) -> Grant:
         while True:
-            if (grant := await self.grant(await self.admit())) is not None:
+            if (grant := await self.grant(await self.admit(), cost)) is not None:
                 return grant
 
     async def admit(self) -> Admission:
         self._check_open()
         return await self._slots.admit(self.ready, self._clock)
 
-    async def grant(self, admission: Admission) -> Grant | None:
+    async def grant(self, admission: Admission, cost: int = 1) -> Grant | None:
         if admission.spent:
             raise RuntimeError("PostgresBudget.grant: this admission was spent already")
         admission.spent = True
         self._book.acquiring += 1
+        taken = 0
         try:
             while not self._held_until(self._clock())[0]:
                 self._check_open()
@@ -250,7 +251,12 @@ class PostgresBudget(PolicyFeedback):
                 if state.paused_until <= now:
                     self.grants += 1
                     self._book.granted(now)
-                    return Grant(at=now, cut=state.cut_at)
+                    taken += 1
+                    # A batch of k ids to a partner that counts ids takes k slots in a
+                    # row, each at its own time: paced as k requests would be.
+                    if taken >= cost:
+                        return Grant(at=now, cut=state.cut_at)
+                    continue
                 # A pause began while we waited for the slot: the slot is forfeit.
             # A hold began after the admission: nothing is granted before it ends.
         except BaseException:

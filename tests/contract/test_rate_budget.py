@@ -87,6 +87,18 @@ class TestRateBudgetContract:
         # 20 intervals at 40/s (less 1 % headroom) cannot take less than half a second.
         assert time.monotonic() - started >= 20 / 40.0 * 0.95
 
+    async def test_a_grant_of_cost_k_is_paced_as_k_grants(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        # A batch of k ids to a partner whose limit counts ids (docs/batch.md): three
+        # grants of 7 take as long as 21 grants of one. A lower bound only: a floor is
+        # what pacing promises.
+        budget = make(ledger)
+        await budget.start()
+        started = time.monotonic()
+        for _ in range(3):
+            budget.release(await budget.acquire(7), Feedback(Outcome.OK, 0.001))
+        assert time.monotonic() - started >= 20 / 40.0 * 0.95
+
     async def test_a_pause_holds_ready_and_acquire_until_it_ends(
             self, make: Factory, ledger: SqliteLedger) -> None:
         budget = make(ledger)

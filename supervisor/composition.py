@@ -30,6 +30,7 @@ from typing import TextIO
 
 from supervisor import metrics
 from supervisor.apistate import ApiState
+from supervisor.batch.jobs import JobPoller
 from supervisor.budget.base import RateBudget
 from supervisor.budget.local import LocalBudget
 from supervisor.config import Config
@@ -381,6 +382,10 @@ def _intake(c: Config, storage: Storage, pool: ConsumerPool, opener: RunOpener,
                   role="redrive")]
     if c.partner.probe_path:
         out.append(Component("reconcile", reconciler.run, Drain.INTAKE, role="reconcile"))
+    if c.batch.shape == "job" and pool.batches is not None:
+        poller = JobPoller(c, ledger, pool.budget, reconciler.partner, pool.courier,
+                           pool.batches.job_submitted, pool.batches.job_closed)
+        out.append(Component("jobs", poller.run, Drain.INTAKE, role="jobs"))
     if c.schedule.cron is not None and c.schedule.clock == "embedded":
         out.append(Component("schedule", Scheduler(c.schedule, opener).run, Drain.INTAKE))
     return out

@@ -31,7 +31,7 @@ from supervisor.authsettings import (
     service_problems,
     token_problems,
 )
-from supervisor.batch.settings import BatchConfig
+from supervisor.batchsettings import BatchConfig
 from supervisor.budget.settings import LimitsConfig
 from supervisor.configtypes import (
     MISSING_SECRET,

@@ -129,6 +129,19 @@ REPLICAS_REAPED = Counter(
 LIVE_REPLICAS = Gauge("cleanup_replicas_live", "Replicas heartbeating in the registry.")
 
 
+BATCH_REQUESTS = Counter(
+    "cleanup_batch_requests", "Batch requests sent, by shape and answer.", ["shape", "answer"])
+BATCH_ITEMS = Counter(
+    "cleanup_batch_items", "Items of batches settled, by their own verdict.", ["verdict"])
+BATCH_JOBS_IN_FLIGHT = Gauge(
+    "cleanup_batch_jobs_in_flight", "Batch jobs submitted and not finished (every replica's).")
+BATCH_JOBS_OVERDUE = Gauge(
+    "cleanup_batch_jobs_overdue",
+    "Batch jobs unfinished longer than batch.job_deadline_seconds after submission.")
+BATCH_JOB_POLLS = Counter(
+    "cleanup_batch_job_polls", "Job status reads, by what they found.", ["found"])
+
+
 def count_settled(target: str) -> None:
     """The one rule for the outcome counters: a terminal outcome once per operation, an
     entry into ambiguous in its own counter (never both under one name)."""

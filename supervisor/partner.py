@@ -257,6 +257,21 @@ class PartnerClient:
             await self._session.close()
             self._session = None
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled session (its auth header, timeouts and no silent resends), for the
+        batch client (supervisor/batch/client.py)."""
+        assert self._session is not None, "PartnerClient.start() was not awaited"
+        return self._session
+
+    @property
+    def ignored(self) -> IgnoredHeaders:
+        return self._ignored
+
+    def url(self, path: str) -> URL:
+        """``path`` (already encoded) under the partner's base URL."""
+        return URL(self._base + path, encoded=True)
+
     def _url(self, template: str, recipient_id: str) -> URL:
         return URL(self._base + recipient_path(template, recipient_id), encoded=True)
 

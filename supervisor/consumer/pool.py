@@ -21,6 +21,7 @@ from collections.abc import Callable
 from supervisor import metrics
 from supervisor.budget.base import RateBudget
 from supervisor.config import Config
+from supervisor.consumer.batches import BatchSender
 from supervisor.consumer.decide import Action, Do, Rules, decide
 from supervisor.consumer.executor import Executor, Phase, Phases
 from supervisor.consumer.fetcher import STORAGE_BACKOFF_S, Fetcher, pause
@@ -67,8 +68,21 @@ class ConsumerPool:
         self.executor = Executor(config, ledger, budget, partner, self.courier, self.settler,
                                  owned, self.rules, self._phases, self._stopping,
                                  self.fetcher.held_since)
+        # Batch partners (docs/batch.md): each worker's operation joins a batch.
+        self.batches: BatchSender | None = None
+        if config.batch.enabled:
+            self.batches = BatchSender(config, ledger, budget, partner, self.courier,
+                                       self.settler, self.rules, self._phases, owned.busy_s)
         self._fetching: asyncio.Task[None] | None = None
         self._extending: asyncio.Task[None] | None = None
+
+    @property
+    def workers(self) -> int:
+        """How many deliveries are worked at once: ``limits.concurrency`` requests, each
+        of up to ``batch.max_items`` ids for a batch partner."""
+        if self.config.batch.enabled:
+            return self.config.limits.concurrency * self.config.batch.max_items
+        return self.config.limits.concurrency
 
     @property
     def settled(self) -> int:
@@ -96,14 +110,14 @@ class ConsumerPool:
         # A restart after a crash starts from nothing: no dead worker counts as running.
         self._phases.clear()
         self.fetcher.reset()
-        metrics.WORKERS.set(self.config.limits.concurrency)
+        metrics.WORKERS.set(self.workers)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._fetching = tg.create_task(self.fetcher.run(), name="consumer-fetch")
                 if self.caps.extend:
                     self._extending = tg.create_task(self.fetcher.extend_leases(),
                                                      name="consumer-leases")
-                for i in range(self.config.limits.concurrency):
+                for i in range(self.workers):
                     task = tg.create_task(self._worker(), name=f"consumer-{i}")
                     self._phases[task] = Phase.IDLE
         finally:
@@ -116,6 +130,8 @@ class ConsumerPool:
         """Drain the pool; return how many workers finished and how many were cut off."""
         self._stopping.set()
         workers = len(self._phases)
+        if self.batches is not None:
+            self.batches.chunker.drop_all()
         for helper in (self._fetching, self._extending):
             if helper is not None:
                 helper.cancel("shutdown")
@@ -131,6 +147,8 @@ class ConsumerPool:
                 cut += 1
             if late:
                 await asyncio.wait(late)
+        if self.batches is not None:
+            await self.batches.stop()
         # A claim the fetcher had in progress is handed back by the fetcher itself: let it
         # finish, or the caller's cancellation of run() would cut that hand-back short.
         if self._fetching is not None:
@@ -205,7 +223,10 @@ class ConsumerPool:
         if op is None or action.do is not Do.ATTEMPT:
             await self._perform(delivery, op, action)
             return
-        instead = await self.executor.attempt(task, delivery, op)
+        if self.batches is not None:
+            instead = await self.batches.attempt(task, delivery, op)
+        else:
+            instead = await self.executor.attempt(task, delivery, op)
         if instead is not None:
             await self._perform(delivery, op, instead)
 

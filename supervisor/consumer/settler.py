@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from supervisor import metrics
 from supervisor.ledger.base import Ledger
@@ -61,6 +61,28 @@ class Settler:
             metrics.count_settled(target.value)
             self.settled += 1
             self._on_settled()
+
+    async def settle_many(self, settlements: Sequence[Settlement]) -> None:
+        """A batch's outcomes in one commit (supervisor/consumer/batches.py), then what
+        their messages still need; as :meth:`settle`, the commit is never torn."""
+        commit = asyncio.ensure_future(self.ledger.settle(settlements))
+        try:
+            leftover = await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            await asyncio.wait([commit])
+            for s in settlements:
+                if s.delivery is not None and s.disposition is Disposition.ACK:
+                    self.moved.add(s.delivery.receipt)
+            raise
+        for s in settlements:
+            if s.delivery is not None and s.disposition is not Disposition.KEEP:
+                self.moved.add(s.delivery.receipt)
+        await self.courier.follow_up(leftover)
+        for s in settlements:
+            if s.target in SETTLED:
+                metrics.count_settled(s.target.value)
+                self.settled += 1
+                self._on_settled()
 
     async def defer(self, delivery: Delivery, delay_s: float) -> None:
         """Publish the message again for ``delay_s`` from now and ack this copy; a

@@ -41,3 +41,9 @@ def new_event_id() -> str:
     every delivery. Time-ordered and random like an operation ID, so it stays unique
     across ledger files and databases (a restored backup, a second deployment)."""
     return f"ev_{time.time_ns() // 1_000_000:012x}{secrets.token_hex(8)}"
+
+
+def new_batch_id() -> str:
+    """A batch's ID: the partner's Idempotency-Key for the batch request and a job's tag.
+    Time-ordered like an operation's, so a ledger's batches list in the order sent."""
+    return "bat_" + new_operation_id()[3:]

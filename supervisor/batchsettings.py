@@ -69,7 +69,7 @@ class BatchConfig:
     poll_initial_seconds: float = 0.5
     poll_max_seconds: float = 30.0
     # A job still unfinished this long after its submission pages
-    # (CleanupBatchJobOverdue); its items are then probed.
+    # (CleanupBatchJobOverdue); it is still polled (its results are what settles it).
     job_deadline_seconds: float = 3600.0
 
     @property

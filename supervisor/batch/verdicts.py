@@ -1,0 +1,80 @@
+"""What each item's verdict makes of its operation: the batch twin of
+:mod:`supervisor.outcomes`, pure, and written once for the sender and the job poller.
+
+An operation settles only on its own item's verdict or its own probe, never on the
+batch's state. An item with no result in an answer that promised one is held ambiguous
+and probed, not resent: a resend in another batch would carry another key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from supervisor.config import PartnerConfig
+from supervisor.model import Disposition
+from supervisor.outcomes import decide
+from supervisor.partner import Answer, Presence, Verdict, classify
+from supervisor.states import OpState
+
+
+@dataclass(frozen=True, slots=True)
+class Ruling:
+    target: OpState
+    reason: str | None
+    answer: Answer
+    disposition: Disposition = Disposition.ACK
+    delay_s: float = 0.0
+    # Throttled on its own (Graph's inner 429): not an attempt; kept and sent again.
+    again: bool = False
+    refund: bool = False
+
+
+def item_answer(batch_id: str, status: int, whole: Answer) -> Answer:
+    return Answer(classify(status, None), status, f"item HTTP {status} in batch {batch_id}",
+                  elapsed_s=whole.elapsed_s)
+
+
+def rule(p: PartnerConfig, answer: Answer, attempts: int) -> Ruling:
+    """An item's (or a whole batch's, for each of its items) answer to its
+    ``attempts``-th attempt."""
+    if answer.verdict is Verdict.THROTTLED:
+        return Ruling(OpState.RETRY_WAIT, None, answer, Disposition.KEEP, again=True,
+                      refund=True)
+    d = decide(p, answer, attempts)
+    return Ruling(d.target, d.reason, answer, d.disposition, d.delay_s)
+
+
+def rule_result(p: PartnerConfig, batch_id: str, items: dict[str, int] | None,
+                recipient_id: str, whole: Answer, attempts: int) -> Ruling:
+    """A per-item answer (or a finished job's results) for one item."""
+    status = None if items is None else items.get(recipient_id)
+    if status is None:
+        missing = Answer(Verdict.AMBIGUOUS, whole.status,
+                         f"batch {batch_id} answered with no result for it")
+        return Ruling(OpState.AMBIGUOUS, f"{missing.detail}; not resent", missing)
+    return rule(p, item_answer(batch_id, status, whole), attempts)
+
+
+def refused_whole(batch_id: str, whole: Answer, why: str) -> Ruling:
+    """The partner refused the whole batch and did nothing (429, 413, a bad id): not a
+    failed attempt of any item. Kept, sent again."""
+    answer = Answer(Verdict.TRANSIENT, whole.status, f"batch {batch_id} {why}",
+                    whole.retry_after_s, whole.elapsed_s)
+    return Ruling(OpState.RETRY_WAIT, None, answer, Disposition.KEEP, again=True, refund=True)
+
+
+def rule_probe(p: PartnerConfig, batch_id: str, presence: Presence, detail: str,
+               attempts: int, resend_if_present: bool) -> Ruling:
+    """A probe after a batch that gave nothing per item (accepted whole; a job whose
+    results expired or whose submission is in doubt). Present is a silent miss, sent
+    again only where nothing can still act on it (``resend_if_present``)."""
+    if presence is Presence.ABSENT:
+        return Ruling(OpState.DELETED, f"batch {batch_id}: a probe found it gone",
+                      Answer(Verdict.DELETED, None, detail))
+    if presence is Presence.PRESENT and resend_if_present:
+        answer = Answer(Verdict.TRANSIENT, None,
+                        f"batch {batch_id} missed it silently ({detail})")
+        return rule(p, answer, attempts)
+    why = "still present, and the job may yet act" if presence is Presence.PRESENT \
+        else "the probe was inconclusive"
+    return Ruling(OpState.AMBIGUOUS, f"batch {batch_id}: {why} ({detail}); not resent",
+                  Answer(Verdict.AMBIGUOUS, None, detail))

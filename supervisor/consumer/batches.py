@@ -1,0 +1,422 @@
+"""The consumer's batch path (docs/batch.md): each worker's operation joins a batch
+(:class:`~supervisor.batch.chunker.Chunker`); a batch takes its budget (one token, or
+one per id under a per-item cost), writes every attempt and the batch row, is sent, and
+each operation settles on its own item's verdict in one commit
+(:mod:`supervisor.batch.verdicts`). A job submitted is left to the job poller
+(:mod:`supervisor.batch.jobs`) and its messages acked.
+
+Crash safety is the single path's, per item: every attempt is written before the
+request leaves and names its batch. A delivery whose operation's open attempt belongs
+to a batch that may have been sent finds that batch again: sent again whole under the
+same key (the partner replays its answer), or left to the job poller."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from supervisor import metrics
+from supervisor.batch.chunker import Chunker
+from supervisor.batch.client import BatchAnswer, BatchClient
+from supervisor.batch.verdicts import Ruling, refused_whole, rule, rule_probe, rule_result
+from supervisor.batchsettings import BatchConfig
+from supervisor.budget.base import Feedback, Grant, Outcome, RateBudget
+from supervisor.config import Config
+from supervisor.consumer.decide import Action, Do, Rules, busy, decide
+from supervisor.consumer.executor import Phase, Phases
+from supervisor.consumer.settler import Settler
+from supervisor.errors import AttemptOpen, IllegalTransition, OperationBusy
+from supervisor.ledger.base import Ledger
+from supervisor.ledger.ids import new_batch_id
+from supervisor.model import Batch, Delivery, Disposition, Operation, Received, Settlement
+from supervisor.outcomes import backoff, feedback
+from supervisor.partner import Answer, PartnerClient, Verdict
+from supervisor.queue.courier import Courier
+from supervisor.states import SETTLED, OpState
+
+log = logging.getLogger(__name__)
+
+
+class _Again:
+    """The item goes round again: its worker adds it to the next batch."""
+
+
+AGAIN = _Again()
+Result = Action | None | _Again
+
+
+@dataclass(slots=True)
+class Item:
+    op: Operation
+    delivery: Delivery | None  # None: a member settled on the ledger alone (a recovery)
+    task: asyncio.Task[None] | None = None
+    done: asyncio.Future[Result] | None = None
+    attempt_id: int | None = None
+
+    def resolve(self, result: Result) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_result(result)
+
+
+@dataclass(slots=True)
+class _Sent:
+    batch: Batch
+    items: list[Item]
+    answer: BatchAnswer
+    resends: int = field(default=0)
+
+
+class BatchSender:
+    def __init__(self, config: Config, ledger: Ledger, budget: RateBudget,
+                 partner: PartnerClient, courier: Courier, settler: Settler, rules: Rules,
+                 phases: Phases, busy_s: float) -> None:
+        self.config = config
+        self.batch: BatchConfig = config.batch
+        self.ledger = ledger
+        self.budget = budget
+        self.client = BatchClient(partner, config.batch)
+        self.partner = partner
+        self.courier = courier
+        self.settler = settler
+        self.rules = rules
+        self._phases = phases
+        self._busy_s = busy_s
+        self.chunker: Chunker[Item] = Chunker(config.batch, self._launch,
+                                              lambda it: it.op.recipient_id)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._resending: dict[str, asyncio.Task[None]] = {}
+        # Woken when a job is submitted, so the poller reads it without waiting a round.
+        self.job_submitted = asyncio.Event()
+        # Set by the poller when a job closes: a batch waiting for a job slot looks again.
+        self.job_closed = asyncio.Event()
+
+    # -- the worker's side -------------------------------------------------------------
+
+    async def attempt(self, task: asyncio.Task[None], delivery: Delivery,
+                      op: Operation) -> Action | None:
+        """Work one delivery through a batch; an Action when something else is called for
+        (the pool performs it), None when its outcome is written and its message moved."""
+        while True:
+            if op.unfinished_attempt:
+                batch = await self.ledger.open_batch_of(op.id)
+                if batch is not None:
+                    found = await self._recover(delivery, op, batch)
+                    if not isinstance(found, _Again):
+                        return found
+                    fresh = await self.ledger.get_operation(op.id)
+                    action = decide(Received(fresh, 0), self.rules, time.time())
+                    if fresh is None or action.do is not Do.ATTEMPT:
+                        return action
+                    op = fresh
+                    continue
+            self._phases[task] = Phase.WAITING
+            await self.budget.ready()
+            item = Item(op, delivery, task, asyncio.get_running_loop().create_future())
+            self.chunker.add(item)
+            assert item.done is not None
+            result = await item.done
+            if not isinstance(result, _Again):
+                return result
+            fresh = await self.ledger.get_operation(op.id)
+            if fresh is None or fresh.state in SETTLED:
+                return Action(Do.DROP, reason="settled")
+            op = fresh
+
+    async def _recover(self, delivery: Delivery, op: Operation, batch: Batch) -> Result:
+        """This operation's open attempt went out in ``batch``, whose outcome this
+        process no longer knows (it crashed, or the delivery is a copy)."""
+        if batch.shape == "job" or batch.state in ("submitting", "submitted"):
+            if batch.state == "formed":
+                return await self._unsent(batch)
+            # The job poller finds it (by its reference, or by our tag): not ours.
+            self.settler.moved.add(delivery.receipt)
+            await self.courier.drop(delivery, "in_job")
+            return None
+        if batch.state == "formed":
+            return await self._unsent(batch)
+        # It may have been sent: again, whole, under the same key (decide holds it as
+        # ambiguous without keys before it gets here). One resend per batch at a time.
+        resend = self._resending.get(batch.id)
+        if resend is None:
+            resend = asyncio.create_task(self._resend(batch), name=f"batch-resend-{batch.id}")
+            self._resending[batch.id] = resend
+            resend.add_done_callback(lambda _: self._resending.pop(batch.id, None))
+        await asyncio.shield(resend)
+        return AGAIN
+
+    async def _unsent(self, batch: Batch) -> Result:
+        """A batch written and never sent (its state says so): close its open attempts
+        unsent, nothing done at the partner."""
+        members = await self.ledger.batch_members(batch.id)
+        ruling = refused_whole(batch.id, Answer(Verdict.TRANSIENT, None, ""),
+                               "was never sent (the process stopped first)")
+        await self._settle([(Item(await self._op(m.operation_id), None,
+                                  attempt_id=m.attempt_id), ruling)
+                            for m in members if m.outcome is None])
+        await self.ledger.update_batch(batch.id, "closed", detail="never sent")
+        return AGAIN
+
+    async def _op(self, operation_id: str) -> Operation:
+        op = await self.ledger.get_operation(operation_id)
+        assert op is not None, "a batch member's operation exists"
+        return op
+
+    async def _resend(self, batch: Batch) -> None:
+        members = [m for m in await self.ledger.batch_members(batch.id)]
+        ops = await self.ledger.get_operations([m.operation_id for m in members])
+        items = [Item(ops[m.operation_id], None, attempt_id=m.attempt_id) for m in members]
+        log.info("batch %s: sent again under its key after its outcome was lost", batch.id,
+                 extra={"action": "batch_resend"})
+        await self._send(batch, items)
+
+    # -- forming and sending -----------------------------------------------------------
+
+    def _launch(self, items: list[Item]) -> None:
+        task = asyncio.create_task(self._form(items), name="batch")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _form(self, items: list[Item]) -> None:
+        try:
+            items = [it for it in items if it.done is None or not it.done.done()]
+            if items:
+                await self._form_and_send(items)
+        except BaseException as exc:
+            for it in items:
+                if it.done is not None and not it.done.done():
+                    if isinstance(exc, asyncio.CancelledError):
+                        it.done.cancel()
+                    else:
+                        it.done.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    async def _form_and_send(self, items: list[Item]) -> None:
+        if self.batch.shape == "job":
+            await self._job_slot()
+        cost = len(items) if self.batch.cost == "items" else 1
+        admission = await self.budget.admit()
+        try:
+            grant = await self.budget.grant(admission, cost)
+        finally:
+            self.budget.withdraw(admission)
+        if grant is None:  # a hold began: nothing written, everyone waits it out
+            for it in items:
+                it.resolve(AGAIN)
+            return
+        begun = await asyncio.gather(*(self._begin(it) for it in items))
+        members = [it for it, b in zip(items, begun, strict=True) if b is None]
+        for it, b in zip(items, begun, strict=True):
+            if b is not None:
+                it.resolve(b)
+        if not members:
+            self.budget.release(grant, Feedback(Outcome.OTHER))
+            return
+        batch = Batch(new_batch_id(), self.batch.shape, len(members), "formed", time.time())
+        await self.ledger.record_batch(batch, [(it.attempt_id or 0, pos)
+                                               for pos, it in enumerate(members)])
+        if self.batch.shape == "job":
+            if not await self.ledger.reserve_job(batch.id, self.batch.max_jobs_in_flight):
+                self.budget.release(grant, Feedback(Outcome.OTHER))
+                await self._settle([(it, refused_whole(batch.id, Answer(
+                    Verdict.TRANSIENT, None, ""), "found the partner's job limit reached"))
+                    for it in members])
+                await self.ledger.update_batch(batch.id, "closed", detail="job limit")
+                return
+        else:
+            await self.ledger.update_batch(batch.id, "sent")
+        for it in members:
+            if it.task is not None:
+                self._phases[it.task] = Phase.SENDING
+        await self._send(batch, members, grant_taken=grant)
+
+    async def _job_slot(self) -> None:
+        """Wait while the partner's jobs in flight are at the cap (shared by replicas:
+        the reservation after the batch is written is the decision; this only spares
+        writing batches that would be refused)."""
+        while len(await self.ledger.open_jobs()) >= self.batch.max_jobs_in_flight:
+            self.job_closed.clear()
+            # Another replica's job may close unseen: read again at the longest poll.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.batch.poll_max_seconds):
+                    await self.job_closed.wait()
+
+    async def _begin(self, it: Item) -> Action | None:
+        assert it.delivery is not None
+        try:
+            it.attempt_id = await self.ledger.begin_attempt(
+                it.op.id, "delete", owner=it.delivery.receipt, busy_s=self._busy_s,
+                supersedes_open=self.config.partner.idempotency_keys)
+            return None
+        except OperationBusy as exc:
+            return busy(self.rules, exc.until - time.time())
+        except AttemptOpen:
+            return Action(Do.SETTLE, OpState.AMBIGUOUS,
+                          "an earlier attempt has no recorded outcome; not resent")
+        except IllegalTransition:
+            return Action(Do.DROP, reason="settled", duplicate=True)
+
+    async def _send(self, batch: Batch, items: list[Item],
+                    grant_taken: Grant | None = None) -> None:
+        ids = [it.op.recipient_id for it in items]
+        cost = len(items) if self.batch.cost == "items" else 1
+        tries = 0
+        while True:
+            grant = grant_taken if grant_taken is not None and tries == 0 \
+                else await self.budget.acquire(cost)
+            grant_taken = None
+            answer = await self.client.send(ids, batch.id)
+            tries += 1
+            whole = answer.whole
+            throttled_items = answer.items is not None and any(
+                s == 429 for s in answer.items.values())
+            fb = feedback(whole)
+            if throttled_items and fb.outcome is Outcome.OK:
+                fb = Feedback(Outcome.THROTTLED, whole.elapsed_s, whole.retry_after_s,
+                              whole.policies)
+            self.budget.release(grant, fb)
+            metrics.BATCH_REQUESTS.labels(self.batch.shape, _label(whole)).inc()
+            metrics.PARTNER_RESPONSES.labels(str(whole.status) if whole.status
+                                             else "error").inc()
+            metrics.PARTNER_DURATION.observe(whole.elapsed_s)
+            if whole.verdict is Verdict.AMBIGUOUS and self.config.partner.idempotency_keys \
+                    and tries < self.config.partner.max_attempts and self.batch.shape != "job":
+                # It may have acted: the same batch again under the same key, never a
+                # new batch (a new key could not be deduplicated).
+                await asyncio.sleep(backoff(self.config.partner, tries))
+                continue
+            await self._conclude(_Sent(batch, items, answer, tries))
+            return
+
+    # -- what the answer makes of each item --------------------------------------------
+
+    async def _conclude(self, sent: _Sent) -> None:
+        batch, items, answer = sent.batch, sent.items, sent.answer
+        whole, n = answer.whole, len(items)
+        if whole.status == 429 or (whole.status in (400, 413, 422) and n > 1):
+            await self._refused(batch, items, whole)
+            return
+        if self.batch.shape == "job" and whole.verdict is Verdict.AMBIGUOUS:
+            # A submission whose answer was lost: the poller looks the job up by our tag
+            # (or probes); a blind resubmission could run the job twice.
+            await self._handed_to_poller(batch, items, None, whole.detail)
+            return
+        if whole.verdict is not Verdict.DELETED:  # not a 2xx: every item shares it
+            rulings = [rule(self.config.partner, _for_item(batch.id, whole),
+                            it.op.attempts + 1) for it in items]
+        elif answer.problem is not None or self.batch.shape == "per_item":
+            if answer.strays:
+                log.warning("batch %s: %d results for ids not sent, ignored", batch.id,
+                            answer.strays)
+            rulings = [rule_result(self.config.partner, batch.id, answer.items,
+                                   it.op.recipient_id, whole, it.op.attempts + 1)
+                       for it in items]
+            if self.batch.shape == "job" and answer.problem is not None:
+                # A job submitted with no reference we can read: the poller finds it by
+                # our tag (or probes), nothing is resent meanwhile.
+                await self._handed_to_poller(batch, items, None, answer.problem)
+                return
+        elif self.batch.shape == "job":
+            await self._handed_to_poller(batch, items, answer.job_ref, None)
+            return
+        else:
+            rulings = await self._confirm(batch, items)
+        self.chunker.answered()
+        await self._settle(list(zip(items, rulings, strict=True)))
+        await self.ledger.update_batch(batch.id, "closed", detail=whole.detail)
+
+    async def _refused(self, batch: Batch, items: list[Item], whole: Answer) -> None:
+        """Refused whole, nothing done: a 429 (the budget learnt it), a batch too large
+        (halved), or one bad id failing the rest (split until it fails alone)."""
+        if whole.status == 429:
+            self.chunker.throttled()
+            why = "was refused with 429"
+        elif whole.status == 413:
+            self.chunker.refused_too_large(len(items))
+            why = "was refused as too large (413)"
+        else:
+            why = f"was refused whole ({whole.detail}); split in halves"
+        await self._settle([(it, refused_whole(batch.id, whole, why)) for it in items],
+                           resolve=whole.status in (429, 413))
+        await self.ledger.update_batch(batch.id, "closed", detail=why)
+        if whole.status not in (429, 413):
+            half = len(items) // 2
+            for part in (items[:half], items[half:]):
+                fresh = [Item(await self._op(it.op.id), it.delivery, it.task, it.done)
+                         for it in part]
+                self._launch(fresh)
+
+    async def _confirm(self, batch: Batch, items: list[Item]) -> list[Ruling]:
+        """Accepted whole: each item's probe says what happened to it."""
+        p = self.config.partner
+        if self.batch.settle_accepted_unprobed_risking_silent_misses:
+            return [Ruling(OpState.DELETED,
+                           f"batch {batch.id} accepted whole; not probed "
+                           "(settle_accepted_unprobed_risking_silent_misses)",
+                           Answer(Verdict.DELETED, None, "accepted, unprobed"))
+                    for _ in items]
+        if self.batch.probe_delay_seconds > 0:
+            await asyncio.sleep(self.batch.probe_delay_seconds)
+
+        async def probe(it: Item) -> Ruling:
+            grant = await self.budget.acquire()
+            try:
+                presence, detail = await self.partner.probe(it.op.recipient_id)
+            finally:
+                self.budget.release(grant, Feedback(Outcome.OTHER))
+            metrics.PROBES.labels(presence.value).inc()
+            return rule_probe(p, batch.id, presence, detail, it.op.attempts + 1,
+                              resend_if_present=True)
+
+        return list(await asyncio.gather(*(probe(it) for it in items)))
+
+    async def _handed_to_poller(self, batch: Batch, items: list[Item], job_ref: str | None,
+                                problem: str | None) -> None:
+        await self.ledger.update_batch(batch.id, "submitted" if job_ref else "submitting",
+                                       job_ref=job_ref, submitted=True, detail=problem)
+        self.job_submitted.set()
+        for it in items:
+            if it.delivery is not None:
+                self.settler.moved.add(it.delivery.receipt)
+                await self.courier.drop(it.delivery, "in_job")
+            it.resolve(None)
+
+    async def _settle(self, rulings: Sequence[tuple[Item, Ruling]],
+                      resolve: bool = True) -> None:
+        settlements = []
+        for it, r in rulings:
+            settlements.append(Settlement(
+                operation_id=it.op.id, target=r.target, delivery=it.delivery,
+                # A member settled on the ledger alone moves no message: its own
+                # delivery (if any) decides again on what was written.
+                disposition=r.disposition if it.delivery is not None else Disposition.KEEP,
+                delay_s=r.delay_s, reason=r.reason, attempt_id=it.attempt_id,
+                status=r.answer.status, outcome=r.answer.verdict.value,
+                detail=r.answer.detail, refund_attempt=r.refund))
+            metrics.BATCH_ITEMS.labels(r.answer.verdict.value).inc()
+        await self.settler.settle_many(settlements)
+        if resolve:
+            for it, r in rulings:
+                it.resolve(AGAIN if r.again else None)
+
+    async def stop(self) -> None:
+        """Shutdown: nothing more is formed; batches in the air are the pool's grace."""
+        self.chunker.drop_all()
+        for task in list(self._tasks) + list(self._resending.values()):
+            task.cancel("shutdown")
+        pending = list(self._tasks) + list(self._resending.values())
+        if pending:
+            await asyncio.wait(pending)
+
+
+def _for_item(batch_id: str, whole: Answer) -> Answer:
+    return Answer(whole.verdict, whole.status, f"batch {batch_id}: {whole.detail}",
+                  whole.retry_after_s, whole.elapsed_s)
+
+
+def _label(whole: Answer) -> str:
+    return str(whole.status) if whole.status is not None else whole.verdict.value

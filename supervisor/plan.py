@@ -85,16 +85,17 @@ def batching(cfg: BatchConfig, shape: Shape | None = None, size: int | None = No
 
 
 def polls_per_job(job_s: float, initial_s: float, max_s: float) -> int:
-    """The status reads of one job that takes ``job_s``: the first ``initial_s`` after the
-    submission, the wait doubling to ``max_s``; the last read is the one that sees it done."""
-    polls, waited, wait = 0, 0.0, initial_s
-    while wait < max_s:  # the doubling: a few dozen reads at most
-        polls, waited = polls + 1, waited + wait
-        if waited >= job_s:
-            return polls
-        wait *= 2
-    # Then one read every max_s (counted, not looped: a job of days at 30 s).
-    return polls + max(1, math.ceil((job_s - waited) / max_s))
+    """The status reads of one job that takes ``job_s``, as the job poller spaces them: the
+    first ``initial_s`` after the submission, then each after as long as the job's age (its
+    age doubles at every read) until that reaches ``max_s``, then every ``max_s``. The last
+    read is the one that sees the job done."""
+    polls, age = 1, initial_s
+    while age < job_s:
+        wait = min(max_s, max(initial_s, age))
+        if wait >= max_s:  # counted, not looped: a job of days read every 30 s
+            return polls + math.ceil((job_s - age) / max_s)
+        polls, age = polls + 1, age + wait
+    return polls
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,8 +297,9 @@ def _least_lines(p: Plan) -> list[str]:
             per_job = polls_per_job(b.job_s, b.poll_initial_s, b.poll_max_s)
             lines += [jobs + f"{p.waves:,} rounds x {duration(b.job_s)} = "
                       f"{duration(p.job_floor_s or 0.0)}",
-                      f"polls            {per_job} a job ({b.poll_initial_s:g} s doubling to "
-                      f"{b.poll_max_s:g} s), {p.polls:,} in all, each one request of the budget"
+                      f"polls            {per_job} a job (from {b.poll_initial_s:g} s, the wait "
+                      f"doubling to {b.poll_max_s:g} s), {p.polls:,} in all, each one request of "
+                      "the budget"
                       + (" (not counted: they carry no id)" if b.cost == "items" else "")]
     return lines
 

@@ -121,7 +121,7 @@ async def test_plan_reads_the_batch_section_and_the_flags_override_it(e2e, tmp_p
     assert code == 0, err
     doc = orjson.loads(out)
     assert (doc["job_waves"], doc["job_floor_seconds"], doc["least_seconds"]) == (46, 2760, 2760)
-    assert doc["polls"] == 184 * 7
+    assert doc["polls"] == 184 * 8
     # And back to one DELETE per recipient.
     code, out, err = await e2e.cli(*base, "--batch-shape", "single", "--json")
     assert code == 0, err

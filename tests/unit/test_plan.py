@@ -177,16 +177,17 @@ def test_jobs_of_unknown_duration_leave_cron_and_the_cutoff_undecided() -> None:
 
 def test_jobs_of_a_known_duration_bound_the_drain_in_rounds_of_jobs_in_flight() -> None:
     p = _batch("job", job_s=60)
-    # 0.5 + 1 + 2 + 4 + 8 + 16 = 31.5 s, then one read 30 s later: 7 reads a job.
-    assert polls_per_job(60, 0.5, 30) == 7
-    assert (p.batches, p.polls, p.requests) == (184, 184 * 7, 184 * 8)
-    assert p.ideal_s == pytest.approx(184 * 8 / 20)  # each poll is one request of the budget
+    # Read at ages 0.5, 1, 2, 4, 8, 16 and 32 s (the wait as long as the job's age), then
+    # 30 s later: 8 reads a job.
+    assert polls_per_job(60, 0.5, 30) == 8
+    assert (p.batches, p.polls, p.requests) == (184, 184 * 8, 184 * 9)
+    assert p.ideal_s == pytest.approx(184 * 9 / 20)  # each poll is one request of the budget
     assert p.job_floor_s == 46 * 60  # ceil(184 / 4) rounds of 60 s
     assert p.least_s == p.drain_s[0] == p.drain_s[1] == 2760
     assert not p.cron_fits
     text = render(p)
     assert "46 rounds x 1 min = 46 min" in text
-    assert "7 a job (0.5 s doubling to 30 s), 1,288 in all" in text
+    assert "8 a job (from 0.5 s, the wait doubling to 30 s), 1,472 in all" in text
     assert "the jobs' own time, not the rate, bounds it" in text
     # Charged per id, a status read carries none.
     items = _batch("job", cost="items", job_s=60)
@@ -195,9 +196,9 @@ def test_jobs_of_a_known_duration_bound_the_drain_in_rounds_of_jobs_in_flight() 
 
 def test_polls_of_a_long_job_are_counted_not_looped() -> None:
     assert polls_per_job(0.5, 0.5, 30) == 1
-    assert polls_per_job(3600, 0.5, 30) == 6 + 119  # 31.5 s of doubling, then every 30 s
-    assert polls_per_job(86_400 * 365, 0.5, 30) == 6 + math.ceil((86_400 * 365 - 31.5) / 30)
-    assert polls_per_job(100, 60, 30) == 4  # an initial wait past the cap is capped
+    assert polls_per_job(3600, 0.5, 30) == 7 + 119  # read at 32 s, then every 30 s
+    assert polls_per_job(86_400 * 365, 0.5, 30) == 7 + math.ceil((86_400 * 365 - 32) / 30)
+    assert polls_per_job(100, 30, 30) == 4  # 30, 60, 90, 120
 
 
 def test_cron_alone_fits_when_one_request_takes_the_whole_batch() -> None:

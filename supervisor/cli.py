@@ -80,8 +80,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """N / R against the cron ceiling and the digest cutoff (supervisor/plan.py)."""
+    """N / R (or a batch partner's requests / R) against the cron ceiling and the digest
+    cutoff (supervisor/plan.py)."""
     from supervisor import plan
+    from supervisor.batch.settings import Shape
 
     path = _config_path(args.config)
     # Without a file the arithmetic needs no secret: the defaults, not a validated load.
@@ -111,10 +113,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         start_ts = start.timestamp()
     else:
         start_ts = plan.start_time(cfg, datetime.now(UTC))
+    shape: Shape | None = None if args.batch_shape is None else \
+        "" if args.batch_shape == "single" else args.batch_shape
+    batch = plan.batching(cfg.batch, shape=shape, size=args.batch_size, cost=args.batch_cost,
+                          job_s=args.job_seconds)
+    # A flag the arithmetic would silently ignore is a usage error, named.
+    if batch is None and (args.batch_size, args.batch_cost, args.job_seconds) != (None,) * 3:
+        print("error: --batch-size, --batch-cost and --job-seconds need a batch shape "
+              "(--batch-shape, or batch.shape in the configuration)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.job_seconds is not None and batch is not None and batch.shape != "job":
+        print(f"error: --job-seconds is for batch shape 'job', not {batch.shape!r}",
+              file=sys.stderr)
+        return EXIT_USAGE
     result = plan.Plan(candidates=candidates, rate=rate, cron_ceiling_s=args.cron_ceiling,
                        limit=args.limit, start=start_ts, cutoff_s=cutoff, counted_pages=pages,
                        quotas=tuple((q.name, q.limit, q.period_seconds)
-                                    for q in cfg.limits.quotas))
+                                    for q in cfg.limits.quotas), batch=batch)
     if args.json:
         print(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2).decode())
     else:
@@ -411,6 +426,15 @@ def _service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="digest cutoff after the start (default: schedule.digest_cutoff_seconds)")
     s.add_argument("--start", help="when the run opens, ISO 8601 with offset (default: the "
                                    "schedule's next slot, or now)")
+    s.add_argument("--batch-shape", choices=["single", "per_item", "accepted", "job"],
+                   help="one DELETE per recipient, or a batch partner's answer shape "
+                        "(default: batch.shape; docs/batch.md)")
+    s.add_argument("--batch-size", type=_positive_number(int), metavar="K",
+                   help="ids per batch request (default: batch.max_items)")
+    s.add_argument("--batch-cost", choices=["requests", "items"],
+                   help="what the partner's limit counts: requests, or ids (default: batch.cost)")
+    s.add_argument("--job-seconds", type=_positive_number(float), metavar="D",
+                   help="how long one of a job partner's jobs takes (default: unknown)")
     s.add_argument("--json", action="store_true", help="one JSON object instead of text")
     s.set_defaults(func=cmd_plan)
 

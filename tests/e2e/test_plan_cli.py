@@ -82,3 +82,65 @@ async def test_plan_reads_a_config_without_its_secrets(e2e, tmp_path):
     code, _, err = await e2e.cli("check-config", str(cfg), env=env)
     assert code == 2
     assert "trigger.token_env" in err
+
+
+async def test_plan_reads_the_batch_section_and_the_flags_override_it(e2e, tmp_path):
+    # The article's Monday against a partner taking 100 ids a request, accepted whole.
+    cfg = tmp_path / "batch.toml"
+    cfg.write_text(toml_text({"limits": {"rate_per_second": 20.0},
+                              "batch": {"shape": "accepted", "max_items": 100,
+                                        "cost": "requests"}}))
+    base = ("plan", "--config", str(cfg), "--candidates", "18400")
+    code, out, err = await e2e.cli(*base, "--json")
+    assert code == 0, err
+    doc = orjson.loads(out)
+    assert (doc["shape"], doc["batches"], doc["probes"], doc["requests"]) == (
+        "accepted", 184, 18_400, 18_584)
+    assert doc["ideal_seconds"] == pytest.approx((184 + 18_400) / 20)
+    assert doc["batch"]["size"] == 100
+    assert doc["cron_alone_fits"] is False
+    code, out, err = await e2e.cli(*base)
+    assert code == 0, err
+    assert "shape            batch accepted: up to K = 100 ids a request" in out
+    assert "about as much as one DELETE per recipient" in out
+    # One result per id: 184 requests, 9.2 s, and cron alone fits.
+    code, out, err = await e2e.cli(*base, "--batch-shape", "per_item", "--json")
+    assert code == 0, err
+    doc = orjson.loads(out)
+    assert (doc["shape"], doc["requests"], doc["cron_alone_fits"]) == ("per_item", 184, True)
+    assert doc["ideal_seconds"] == pytest.approx(9.2)
+    # Charged per id: 920 s whatever the batch size.
+    code, out, err = await e2e.cli(*base, "--batch-shape", "per_item", "--batch-cost", "items",
+                                   "--batch-size", "500")
+    assert code == 0, err
+    assert "N / R            = 15 min 20 s (920 s)" in out
+    assert "batches do not speed it up; they send 37 requests instead of 18,400" in out
+    # Jobs: 4 in flight (the default), 60 s each.
+    code, out, err = await e2e.cli(*base, "--batch-shape", "job", "--job-seconds", "60",
+                                   "--json")
+    assert code == 0, err
+    doc = orjson.loads(out)
+    assert (doc["job_waves"], doc["job_floor_seconds"], doc["least_seconds"]) == (46, 2760, 2760)
+    assert doc["polls"] == 184 * 8
+    # And back to one DELETE per recipient.
+    code, out, err = await e2e.cli(*base, "--batch-shape", "single", "--json")
+    assert code == 0, err
+    doc = orjson.loads(out)
+    assert (doc["shape"], doc["batch"], doc["ideal_seconds"]) == ("single", None, 920.0)
+
+
+async def test_plan_refuses_batch_flags_it_would_ignore(e2e, tmp_path):
+    code, _, err = await e2e.cli("plan", "--candidates", "10", "--batch-size", "50")
+    assert code == 2
+    assert "need a batch shape" in err
+    code, _, err = await e2e.cli("plan", "--candidates", "10", "--batch-shape", "per_item",
+                                 "--job-seconds", "60")
+    assert code == 2
+    assert "--job-seconds is for batch shape 'job'" in err
+    code, _, err = await e2e.cli("plan", "--candidates", "10", "--batch-shape", "job",
+                                 "--batch-size", "0")
+    assert code == 2
+    assert "must be a finite number > 0" in err
+    code, _, err = await e2e.cli("plan", "--candidates", "10", "--batch-shape", "batched")
+    assert code == 2
+    assert "invalid choice" in err

@@ -378,6 +378,9 @@ class BatchSender:
                                 problem: str | None) -> None:
         await self.ledger.update_batch(batch.id, "submitted" if job_ref else "submitting",
                                        job_ref=job_ref, submitted=True, detail=problem)
+        log.info("batch %s of %d submitted as job %s%s", batch.id, len(items),
+                 job_ref or "(reference unknown: looked up by our tag)",
+                 f" ({problem})" if problem else "", extra={"action": "batch_job_submitted"})
         self.job_submitted.set()
         for it in items:
             if it.delivery is not None:

@@ -164,7 +164,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     opts = demo.DemoOptions(config_path=Path(args.config), recipients=args.recipients,
                             partner_rate=args.rate, absent_share=args.absent_share,
                             fault_5xx=args.fault_5xx, fault_timeout_after_act=args.fault_timeout,
-                            queue=args.queue)
+                            queue=args.queue, partner=args.partner)
     return run_async(demo.run_shape(args.shape, opts))
 
 
@@ -448,6 +448,11 @@ def _service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="share of deletes where the partner acts, then times out")
     s.add_argument("--queue", choices=["sqlite", "infrai"], default="sqlite",
                    help="infrai: through the local Infrai emulator, pulled")
+    s.add_argument("--partner", choices=["single", "batch", "per_item", "accepted", "job"],
+                   default="single",
+                   help="batch (= per_item), accepted, job: a partner that deletes 100 ids a "
+                   "request, answering per id, accepting whole (each id probed), or as a "
+                   "job polled for its results (docs/batch.md)")
     s.add_argument("--shape", choices=["embedded", "managed", "scale"], default="embedded",
                    help="managed: Infrai cron -> trigger -> Infrai queue -> delete -> "
                    "events to three sinks, all on the local emulator; scale: three "

@@ -108,6 +108,46 @@ class DemoOptions:
     fault_5xx: float = 0.0
     fault_timeout_after_act: float = 0.0
     queue: str = "sqlite"
+    # "single": one DELETE per recipient; "batch" (per_item), "per_item", "accepted" or
+    # "job": the simulator plays that batch partner and the service is configured for it.
+    partner: str = "single"
+
+    @property
+    def batch_shape(self) -> str:
+        return {"single": "", "batch": "per_item"}.get(self.partner, self.partner)
+
+
+BATCH_PATHS = {"per_item": "/recipients/batch-delete", "accepted": "/recipients/batch-archive",
+               "job": "/recipients/batch-jobs"}
+BATCH_SIZE = 100
+
+
+def batch_environ(opts: DemoOptions) -> tuple[list[str], dict[str, str]]:
+    """The simulator's flags and the service's settings for a batch partner demo."""
+    shape = opts.batch_shape
+    if not shape:
+        return [], {}
+    args = ["--batch", shape, "--batch-max-items", str(BATCH_SIZE)]
+    if shape == "per_item":
+        args += ["--batch-item-throttle-share", "0.02"]
+    elif shape == "accepted":
+        args += ["--batch-silent-miss-share", "0.02"]
+    else:
+        args += ["--batch-job-seconds", "1", "--batch-max-jobs", "4"]
+    return args, {"CLEANUP__BATCH__SHAPE": shape, "CLEANUP__BATCH__PATH": BATCH_PATHS[shape],
+                  "CLEANUP__BATCH__MAX_ITEMS": str(BATCH_SIZE)}
+
+
+def ideal_seconds(opts: DemoOptions) -> float:
+    """N / R for single deletes; a request per batch (and a probe per id of an accepted
+    batch) at R for a batch partner (``plan`` says the same)."""
+    n, r = opts.recipients, opts.partner_rate
+    if not opts.batch_shape:
+        return n / r
+    requests = -(-n // BATCH_SIZE)
+    if opts.batch_shape == "accepted":
+        requests += n
+    return requests / r
 
 
 async def run_demo(opts: DemoOptions) -> int:
@@ -117,6 +157,8 @@ async def run_demo(opts: DemoOptions) -> int:
                     "--absent-share", str(opts.absent_share), "--fault-5xx",
                     str(opts.fault_5xx), "--fault-timeout-after-act",
                     str(opts.fault_timeout_after_act), "--hang-seconds", "3"]
+    batch_args, batch_env = batch_environ(opts)
+    sandbox_args += batch_args
     with tempfile.TemporaryDirectory(prefix="cleanup-demo-") as data_dir:
         async with contextlib.AsyncExitStack() as stack:
             sandbox = await stack.enter_async_context(
@@ -134,7 +176,7 @@ async def run_demo(opts: DemoOptions) -> int:
             environ = demo_environ(data_dir, sandbox.url, partner_token, trigger_token,
                                    {"CLEANUP__SERVICE__LISTEN": "127.0.0.1:0",
                                     "CLEANUP__PARTNER__REQUEST_TIMEOUT_SECONDS": "2",
-                                    **queue_env})
+                                    **queue_env, **batch_env})
             cfg = config.load(opts.config_path, environ)
             service = Service(cfg)
             task = await start_service(service)
@@ -144,7 +186,9 @@ async def run_demo(opts: DemoOptions) -> int:
             print(f"partner simulator {sandbox.url}: {opts.recipients} stale recipients, "
                   f"limit {opts.partner_rate:g}/s; service {service.url}, "
                   f"{cfg.limits.concurrency} workers; queue {cfg.queue.backend}"
-                  + (f" (Infrai emulator {emulator.url})" if emulator else ""), flush=True)
+                  + (f" (Infrai emulator {emulator.url})" if emulator else "")
+                  + (f"; batch partner ({opts.batch_shape}, {BATCH_SIZE} ids a request)"
+                     if opts.batch_shape else ""), flush=True)
             try:
                 report = await _drive(service.url, sandbox.url, trigger_token, partner_token)
                 if emulator is not None:
@@ -152,15 +196,17 @@ async def run_demo(opts: DemoOptions) -> int:
             finally:
                 service.request_stop()
                 code = await task
-    ideal = opts.recipients / opts.partner_rate
+    ideal = ideal_seconds(opts)
     report["ideal_seconds"] = round(ideal, 1)
+    report["requests_per_op"] = round(report.pop("requests") / max(1, opts.recipients), 3)
     counts = report
     ok = (code == 0 and counts["duplicates"] == 0 and counts["failed"] == 0
           and counts["unfinished"] == 0 and counts["discovered"] == opts.recipients)
     print(f"\nrun {report.pop('run_id')}: ratio to ideal {report['seconds'] / ideal:.3f}, "
           f"partner saw {report.pop('executions')} executed deletes")
     keys: tuple[str, ...] = ("discovered", "deleted", "already_absent", "failed", "ambiguous",
-                             "duplicates", "rate_limited", "seconds", "ideal_seconds")
+                             "duplicates", "rate_limited", "seconds", "ideal_seconds",
+                             "requests_per_op")
     if "infrai_calls" in report:
         calls = report["infrai_calls"]
         keys += ("infrai_calls",)
@@ -213,7 +259,8 @@ async def _drive(service_url: str, sandbox_url: str, trigger_token: str,
             "already_absent": c["already_absent"], "failed": c["failed"],
             "ambiguous": c["ambiguous"], "unfinished": run["unfinished"],
             "duplicates": stats["duplicates"], "rate_limited": stats["rate_limited"],
-            "executions": stats["executions"], "seconds": round(elapsed, 1)}
+            "executions": stats["executions"], "requests": stats["requests"],
+            "seconds": round(elapsed, 1)}
 
 
 async def run_shape(shape: str, opts: DemoOptions) -> int:

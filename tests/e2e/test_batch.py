@@ -1,0 +1,170 @@
+"""Batch partners end to end (issue 19, docs/batch.md): the service against the partner
+simulator playing each answer shape with the quirks real partners have. Every operation
+settles on its own item's verdict (or its own probe); nothing is executed twice; what
+the partner refuses whole is sent again without being counted as an attempt."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.e2e.harness import E2E, Sandbox, Service
+
+pytestmark = pytest.mark.e2e
+
+N = 600
+
+
+def _service(e2e: E2E, sandbox: Sandbox, shape: str, rate: float = 50.0,
+             **batch: Any) -> Service:
+    path = {"per_item": "/recipients/batch-delete", "accepted": "/recipients/batch-archive",
+            "job": "/recipients/batch-jobs"}[shape]
+    overrides: dict[str, dict[str, Any]] = {
+        "batch": {"shape": shape, "path": path, "max_items": 50, "linger_seconds": 0.02,
+                  "poll_initial_seconds": 0.2, "poll_max_seconds": 1.0, **batch},
+        "partner": {"backoff_initial_seconds": 0.05, "backoff_max_seconds": 0.5},
+        "limits": {"rate_per_second": rate, "concurrency": 4}}
+    return e2e.service(sandbox, overrides)
+
+
+async def _drain(svc: Service) -> dict[str, Any]:
+    await svc.start()
+    run = await svc.wait_done(await svc.open_run())
+    assert run["unfinished"] == 0, run
+    return run
+
+
+async def _attempt_details(svc: Service, run_id: str, state: str) -> list[str]:
+    out = []
+    for op in await svc.operations(run_id, state=state):
+        detail = await svc.operation(op["id"])
+        out.append(detail["attempts_log"][-1]["detail"] or "")
+    return out
+
+
+async def test_per_item_each_operation_settles_on_its_own_verdict(e2e: E2E) -> None:
+    sandbox = await e2e.sandbox("--recipients", N, "--rate", 200, "--batch", "per_item",
+                                "--batch-item-throttle-share", 0.1,
+                                "--batch-item-error-share", 0.03)
+    svc = _service(e2e, sandbox, "per_item")
+    run = await _drain(svc)
+    stats = await sandbox.stats()
+    c = run["counts"]
+    assert c["deleted"] + c["already_absent"] + c["failed"] == N, run
+    assert c["ambiguous"] == 0, run
+    # The ids the partner fails for good are the failed operations, and only they are
+    # left present: a per-item 429 was sent again until it was deleted.
+    assert c["failed"] == stats["present"] > 0, (run, stats)
+    assert c["already_absent"] == stats["initially_absent"], (run, stats)
+    assert stats["executions"] == c["deleted"], stats  # nothing executed twice
+    assert stats["batch_item_throttled"] > 0, stats
+    # A batch request per 50 ids, plus the resends of throttled items: far below one
+    # request per operation.
+    assert stats["requests"] < N / 5, stats
+    details = await _attempt_details(svc, run["id"], "failed")
+    assert all(d.startswith("item HTTP 422 in batch bat_") for d in details), details
+
+
+async def test_a_bad_id_is_split_out_and_fails_alone(e2e: E2E) -> None:
+    # HubSpot's legacy batch: one bad id fails the whole batch (400), nothing done.
+    sandbox = await e2e.sandbox("--recipients", 200, "--rate", 500, "--batch", "per_item",
+                                "--batch-bad-id-pattern", "^r-000077$")
+    svc = _service(e2e, sandbox, "per_item")
+    run = await _drain(svc)
+    failed = await svc.operations(run["id"], state="failed")
+    assert [op["recipient_id"] for op in failed] == ["r-000077"], run
+    stats = await sandbox.stats()
+    assert stats["present"] == 1 and stats["executions"] == run["counts"]["deleted"], stats
+    # Halving a batch of 50 down to the bad id takes a handful of requests, not 50.
+    assert stats["batch_refused_bad_id"] <= 2 * 6, stats
+
+
+async def test_the_partners_cap_is_learnt_from_413(e2e: E2E) -> None:
+    sandbox = await e2e.sandbox("--recipients", 300, "--rate", 500, "--batch", "per_item",
+                                "--batch-max-items", 20)
+    svc = _service(e2e, sandbox, "per_item", max_items=100)
+    run = await _drain(svc)
+    stats = await sandbox.stats()
+    assert run["counts"]["deleted"] + run["counts"]["already_absent"] == 300, run
+    assert stats["present"] == 0 and stats["executions"] == run["counts"]["deleted"], stats
+    # Refused whole at 100, then at 50, then never again: the cap is kept.
+    assert 1 <= stats["batch_refused_too_large"] <= 4, stats
+
+
+async def test_accepted_whole_is_confirmed_by_probes_and_silent_misses_sent_again(
+        e2e: E2E) -> None:
+    sandbox = await e2e.sandbox("--recipients", 300, "--rate", 500, "--batch", "accepted",
+                                "--batch-silent-miss-share", 0.1)
+    svc = _service(e2e, sandbox, "accepted")
+    run = await _drain(svc)
+    stats = await sandbox.stats()
+    c = run["counts"]
+    assert c["deleted"] == 300 and c["failed"] == c["ambiguous"] == 0, run
+    assert stats["present"] == 0, stats  # every silent miss found and deleted
+    assert stats["batch_silent_misses"] > 0, stats
+    assert stats["executions"] == 300 - stats["initially_absent"], stats
+
+
+async def test_accepted_unprobed_settles_on_the_batch_as_its_setting_warns(e2e: E2E) -> None:
+    sandbox = await e2e.sandbox("--recipients", 200, "--rate", 500, "--batch", "accepted",
+                                "--batch-silent-miss-share", 0.1)
+    svc = _service(e2e, sandbox, "accepted",
+                   settle_accepted_unprobed_risking_silent_misses=True)
+    run = await _drain(svc)
+    stats = await sandbox.stats()
+    assert run["counts"]["deleted"] == 200, run
+    # The risk its name warns of: silent misses go unseen.
+    assert stats["present"] == stats["batch_silent_misses"] > 0, stats
+    assert stats["requests"] <= 200 / 50 + 2, stats  # no probe was sent
+
+
+async def test_jobs_are_polled_and_their_per_item_results_copied(e2e: E2E) -> None:
+    sandbox = await e2e.sandbox("--recipients", N, "--rate", 200, "--batch", "job",
+                                "--batch-job-seconds", 0.5, "--batch-max-jobs", 2,
+                                "--batch-item-error-share", 0.03)
+    svc = _service(e2e, sandbox, "job", max_jobs_in_flight=2)
+    run = await _drain(svc)
+    stats = await sandbox.stats()
+    c = run["counts"]
+    assert c["deleted"] + c["already_absent"] + c["failed"] == N, run
+    assert c["failed"] == stats["present"] > 0, (run, stats)
+    assert stats["executions"] == c["deleted"], stats
+    assert stats["batch_jobs_submitted"] >= N / 50, stats
+    # The cap is ours, not the partner's 429: no submission was refused for it.
+    assert stats["batch_jobs_refused"] == 0, stats
+    details = await _attempt_details(svc, run["id"], "deleted")
+    assert all(d.startswith("item HTTP 200 in batch bat_") for d in details[:20]), details
+
+
+async def test_a_job_whose_results_expired_is_settled_by_probes(e2e: E2E) -> None:
+    # Results kept no time at all (Zendesk's "only the last 100 jobs"): the poller
+    # finds the job gone and probes; a failed item is still present and, since a job
+    # might yet act on it, is held ambiguous rather than resubmitted.
+    sandbox = await e2e.sandbox("--recipients", 200, "--rate", 500, "--batch", "job",
+                                "--batch-job-seconds", 0.2,
+                                "--batch-job-result-ttl-seconds", 0,
+                                "--batch-item-error-share", 0.05)
+    svc = _service(e2e, sandbox, "job", poll_initial_seconds=1.0)
+    run = await _drain(svc)
+    stats = await sandbox.stats()
+    c = run["counts"]
+    assert stats["batch_jobs_expired"] > 0, stats
+    assert c["ambiguous"] == stats["present"] > 0, (run, stats)
+    assert c["deleted"] == 200 - stats["present"], run  # absent ones too: a probe saw them gone
+    assert stats["executions"] == 200 - stats["initially_absent"] - stats["present"], stats
+    reasons = [op["reason"] for op in await svc.operations(run["id"], state="ambiguous")]
+    assert all("not resent" in r for r in reasons), reasons
+
+
+async def test_a_per_item_cost_is_paced_in_ids(e2e: E2E) -> None:
+    # The partner charges every id (Graph, Google): 100 ids per second, whatever the
+    # batch size. The service, told so, never runs into its limit.
+    sandbox = await e2e.sandbox("--recipients", 400, "--rate", 100, "--burst", 50,
+                                "--batch", "per_item", "--batch-cost", "item")
+    svc = _service(e2e, sandbox, "per_item", rate=100.0, cost="items")
+    run = await _drain(svc)
+    stats = await sandbox.stats()
+    assert run["counts"]["deleted"] + run["counts"]["already_absent"] == 400, run
+    assert stats["rate_limited"] <= 2, stats
+    assert stats["executions"] == run["counts"]["deleted"], stats

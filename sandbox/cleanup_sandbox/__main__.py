@@ -12,6 +12,9 @@ import os
 from collections.abc import Mapping, Sequence
 
 from cleanup_sandbox.config import (
+    BATCH_COSTS,
+    BATCH_DUPLICATES,
+    BATCH_SHAPES,
     RATELIMIT_HEADER_STYLES,
     RETRY_AFTER_FORMATS,
     WINDOWS,
@@ -90,6 +93,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="added latency per DELETE already in hand (a partner queueing)")
     p.add_argument("--page-delay-ms", type=float, default=d.page_delay_ms)
     p.add_argument("--garbage-share", type=float, default=d.garbage_share)
+    b = p.add_argument_group("batch endpoints (docs/batch.md)")
+    b.add_argument("--batch", dest="batch_shape", choices=BATCH_SHAPES, default=d.batch_shape,
+                   metavar="{per_item,accepted,job}",
+                   help="answer shape of POST /recipients/batch-delete; unset: no batches")
+    b.add_argument("--batch-max-items", type=int, default=d.batch_max_items,
+                   help="more ids than this in one batch: 413")
+    b.add_argument("--batch-item-throttle-share", type=float,
+                   default=d.batch_item_throttle_share, help="per_item: share answered 429")
+    b.add_argument("--batch-item-error-share", type=float, default=d.batch_item_error_share,
+                   help="per_item and job: share of ids failing 422 for good")
+    b.add_argument("--batch-silent-miss-share", type=float, default=d.batch_silent_miss_share,
+                   help="accepted: share of present ids answered 204 but left in place")
+    b.add_argument("--batch-max-jobs", type=int, default=d.batch_max_jobs,
+                   help="job: with this many unfinished, a submission answers 429")
+    b.add_argument("--batch-job-seconds", type=float, default=d.batch_job_seconds,
+                   help="job: how long a job runs")
+    b.add_argument("--batch-job-result-ttl-seconds", type=float,
+                   default=d.batch_job_result_ttl_seconds,
+                   help="job: how long a finished job's results are kept (then 404)")
+    b.add_argument("--batch-bad-id-pattern", default=d.batch_bad_id_pattern, metavar="REGEX",
+                   help="a batch holding an id this matches is refused whole (400)")
+    b.add_argument("--batch-duplicates", choices=BATCH_DUPLICATES, default=d.batch_duplicates,
+                   help="an id twice in one batch: acted on once, or the batch refused (400)")
+    b.add_argument("--batch-cost", choices=BATCH_COSTS, default=d.batch_cost,
+                   help="what the rate limiter charges a batch: one token, or one per id")
     return p
 
 
@@ -124,6 +152,17 @@ def config_from_args(
             latency_per_inflight_ms=args.latency_per_inflight_ms,
             page_delay_ms=args.page_delay_ms,
             garbage_share=args.garbage_share,
+            batch_shape=args.batch_shape,
+            batch_max_items=args.batch_max_items,
+            batch_item_throttle_share=args.batch_item_throttle_share,
+            batch_item_error_share=args.batch_item_error_share,
+            batch_silent_miss_share=args.batch_silent_miss_share,
+            batch_max_jobs=args.batch_max_jobs,
+            batch_job_seconds=args.batch_job_seconds,
+            batch_job_result_ttl_seconds=args.batch_job_result_ttl_seconds,
+            batch_bad_id_pattern=args.batch_bad_id_pattern,
+            batch_duplicates=args.batch_duplicates,
+            batch_cost=args.batch_cost,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -407,6 +407,11 @@ def create_app(
     app = web.Application(middlewares=[json_errors])
     app[STATE_KEY] = state
     app[CLOSING_KEY] = asyncio.Event()
+    # Imported here: the batch handlers build on this module's helpers. Registered first,
+    # so /recipients/batch-jobs is never read as a recipient's ID.
+    from cleanup_sandbox.batch import add_batch_routes
+
+    add_batch_routes(app)
     app.router.add_delete("/recipients/{recipient_id}", delete_recipient)
     app.router.add_get("/recipients/{recipient_id}", probe_recipient, allow_head=False)
     app.router.add_get("/stale-recipients", stale_recipients, allow_head=False)

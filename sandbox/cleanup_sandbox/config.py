@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -14,6 +15,13 @@ RateLimitHeaders = Literal[
 
 WINDOWS: tuple[Window, ...] = ("bucket", "gcra", "sliding", "second", "minute")
 RETRY_AFTER_FORMATS: tuple[RetryAfterFormat, ...] = ("seconds", "fractional", "http-date", "none")
+BatchShape = Literal["", "per_item", "accepted", "job"]
+BatchDuplicates = Literal["once", "error"]
+BatchCost = Literal["request", "item"]
+
+BATCH_SHAPES: tuple[BatchShape, ...] = ("", "per_item", "accepted", "job")
+BATCH_DUPLICATES: tuple[BatchDuplicates, ...] = ("once", "error")
+BATCH_COSTS: tuple[BatchCost, ...] = ("request", "item")
 RATELIMIT_HEADER_STYLES: tuple[RateLimitHeaders, ...] = (
     "none",
     "ietf",
@@ -111,6 +119,29 @@ class SandboxConfig:
     latency_per_inflight_ms: float = 0.0
     page_delay_ms: float = 0.0
     garbage_share: float = 0.0
+    # Batch endpoints (docs/batch.md; cleanup_sandbox.batch): "" answers them 404.
+    batch_shape: BatchShape = ""
+    # More ids than this in one batch: 413, nothing done.
+    batch_max_items: int = 100
+    # per_item: that share of items answers 429 (not deleted, fine to send again), drawn
+    # per occurrence; that share of ids fails 422 for good (decided per id, so a resend
+    # fails again). job: the same per-id failures make a job partial_success or failed.
+    batch_item_throttle_share: float = 0.0
+    batch_item_error_share: float = 0.0
+    # accepted: that share of present ids is answered 204 but silently left in place.
+    batch_silent_miss_share: float = 0.0
+    # job: submissions beyond this many unfinished jobs answer 429; a job runs this long
+    # on the state's clock, then its results are kept this long.
+    batch_max_jobs: int = 4
+    batch_job_seconds: float = 2.0
+    batch_job_result_ttl_seconds: float = 3600.0
+    # A batch holding an id that matches this regular expression is refused whole (400,
+    # as HubSpot's legacy batch does); "" accepts every id.
+    batch_bad_id_pattern: str = ""
+    # An id twice in one batch: acted on once ("once") or the batch refused ("error").
+    batch_duplicates: BatchDuplicates = "once"
+    # What the limiter charges a batch: one token, or one per id.
+    batch_cost: BatchCost = "request"
 
     def __post_init__(self) -> None:
         if isinstance(self.recipients, bool) or self.recipients < 0:
@@ -142,9 +173,37 @@ class SandboxConfig:
                 f"retry_after_format must be one of {RETRY_AFTER_FORMATS}, "
                 f"got {self.retry_after_format!r}"
             )
+        self._check_batch()
         if self.token is not None and not self.token:
             # An empty token would make "Authorization: Bearer " a valid credential.
             raise ValueError("token must be non-empty when set")
+
+    def _check_batch(self) -> None:
+        if self.batch_shape not in BATCH_SHAPES:
+            raise ValueError(f"batch_shape must be one of {BATCH_SHAPES}, got {self.batch_shape!r}")
+        for name in ("batch_max_items", "batch_max_jobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_probability("batch_item_throttle_share", self.batch_item_throttle_share)
+        check_probability("batch_item_error_share", self.batch_item_error_share)
+        check_probability("batch_silent_miss_share", self.batch_silent_miss_share)
+        check_non_negative("batch_job_seconds", self.batch_job_seconds)
+        check_non_negative("batch_job_result_ttl_seconds", self.batch_job_result_ttl_seconds)
+        try:
+            re.compile(self.batch_bad_id_pattern)
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"batch_bad_id_pattern is not a regular expression: {exc}") from None
+        if self.batch_duplicates not in BATCH_DUPLICATES:
+            raise ValueError(
+                f"batch_duplicates must be one of {BATCH_DUPLICATES}, got {self.batch_duplicates!r}"
+            )
+        cost: str = self.batch_cost
+        # The service's [batch].cost spells them "requests" and "items"; both read alike.
+        if cost in ("requests", "items"):
+            object.__setattr__(self, "batch_cost", cost[:-1])
+        elif cost not in BATCH_COSTS:
+            raise ValueError(f"batch_cost must be one of {BATCH_COSTS}, got {cost!r}")
 
 
 @dataclass(slots=True)

@@ -8,17 +8,21 @@ long-polls wake up without polling.
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import random
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import Literal, Protocol
 
 from cleanup_sandbox.config import SandboxConfig, Tunables, check_non_negative, check_probability, check_rate
 from cleanup_sandbox.limits import Limiter, Quota, ceil_seconds, make_limiter
 from cleanup_sandbox.quotas import RATE_POLICY, Policy, QuotaSet
+
+# Far enough ahead that every limiter and quota has refilled or rolled over.
+_FAR_FUTURE_S = 1e9
 
 ExecutionResult = Literal["deleted", "absent"]
 AfterActFault = Literal["timeout", "reset"]
@@ -183,6 +187,18 @@ class Counters:
     max_in_flight: int = 0
     # DELETEs that arrived while another of the same recipient was still being answered.
     overlapping_requests: int = 0
+    # Batch endpoints (cleanup_sandbox.batch): requests that reached an enabled one, the ids
+    # they carried, and what became of them.
+    batch_requests: int = 0
+    batch_items: int = 0
+    batch_item_throttled: int = 0
+    batch_item_errors: int = 0
+    batch_silent_misses: int = 0
+    batch_duplicate_ids: int = 0
+    batch_jobs_submitted: int = 0
+    batch_jobs_refused: int = 0
+    batch_jobs_finished: int = 0
+    batch_jobs_expired: int = 0
 
 
 def recipient_ids(count: int) -> list[str]:
@@ -215,6 +231,45 @@ def build_listing(config: SandboxConfig, ids: list[str]) -> list[JSONItem]:
         rng.choice(_GARBAGE_KINDS)() if position in garbage_at else {"id": next(real)}
         for position in range(total)
     ]
+
+
+class _Units(Protocol):
+    def peek(self, now: float) -> float | None: ...
+
+    def commit(self, now: float) -> None: ...
+
+
+def wait_for_units(limiter: _Units, now: float, units: int) -> float | None:
+    """Seconds until ``units`` could be taken together, None when now; takes nothing.
+
+    Limiters answer for one unit, so a copy takes them one by one, each as soon as it is
+    free: the last one's time is when all were free together, provided the limiter can
+    hold that many at all (:func:`can_hold`).
+    """
+    if units <= 1:
+        return limiter.peek(now)
+    trial = copy.deepcopy(limiter)
+    at = now
+    for _ in range(units):
+        wait = trial.peek(at)
+        if wait is not None:
+            at += wait
+        trial.commit(at)
+    return None if at == now else at - now
+
+
+def can_hold(limiter: _Units, now: float, units: int) -> bool:
+    """Whether ``units`` fit at once into the limiter refilled (its burst, limit or quota)."""
+    if units <= 1:
+        # A burst and every limit are at least 1 (config validates them): skip the copy.
+        return True
+    trial = copy.deepcopy(limiter)
+    later = now + _FAR_FUTURE_S
+    for _ in range(units):
+        if trial.peek(later) is not None:
+            return False
+        trial.commit(later)
+    return True
 
 
 class AnnouncedWaits:
@@ -332,8 +387,15 @@ class SandboxState:
             return 0.0
         return self._pause_until - now
 
-    def admit(self, now: float) -> Refusal | None:
-        """Storm first, then the limiter and every quota; a refusal consumes nothing."""
+    def holds(self, now: float, cost: int) -> bool:
+        """Whether a request costing ``cost`` units could ever pass the limiter and quotas."""
+        return can_hold(self._limiter, now, cost) and can_hold(self._quotas, now, cost)
+
+    def admit(self, now: float, cost: int = 1) -> Refusal | None:
+        """Storm first, then the limiter and every quota; a refusal consumes nothing.
+
+        ``cost`` units are taken together or not at all (a batch charged per id).
+        """
         if self._announced.holds_at(now):
             self.counters.requests_during_announced_wait += 1
         paused_for = self.pause_remaining(now)
@@ -343,8 +405,8 @@ class SandboxState:
         else:
             # Ask everyone before charging anyone, so a request one of them refuses
             # leaves no trace in the others.
-            rate_wait = self._limiter.peek(now)
-            quota_wait = self._quotas.peek(now)
+            rate_wait = wait_for_units(self._limiter, now, cost)
+            quota_wait = wait_for_units(self._quotas, now, cost)
             # The longest wait is the one to announce: retrying earlier meets another 429.
             if quota_wait is not None and (rate_wait is None or quota_wait >= rate_wait):
                 self.counters.quota_limited += 1
@@ -352,8 +414,9 @@ class SandboxState:
             elif rate_wait is not None:
                 refusal = Refusal(rate_wait, "rate_limited")
             else:
-                self._limiter.commit(now)
-                self._quotas.commit(now)
+                for _ in range(cost):
+                    self._limiter.commit(now)
+                    self._quotas.commit(now)
                 return None
         self.counters.rate_limited += 1
         self._observe(now)
@@ -521,4 +584,5 @@ class SandboxState:
             "injected_resets": c.injected_resets,
             "idempotency_keys": len(self.idempotency),
             "pause_remaining": self.pause_remaining(self.clock()),
+            **{f.name: getattr(c, f.name) for f in fields(c) if f.name.startswith("batch_")},
         }

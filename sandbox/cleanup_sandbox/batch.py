@@ -135,6 +135,7 @@ class BatchPartner:
         if self._bad_id is not None:
             for rid in ids:
                 if self._bad_id.search(rid):
+                    self.state.counters.batch_refused_bad_id += 1
                     return json_response(
                         {"error": "invalid_id", "id": rid, "message": "one id fails the batch"},
                         400,
@@ -341,6 +342,7 @@ async def _submit(request: web.Request, path_shape: BatchShape | None) -> web.St
     state.counters.batch_items += len(body.ids)
     if len(body.ids) > state.config.batch_max_items:
         # Before the limiter: a batch charged per id could cost more than it ever holds.
+        state.counters.batch_refused_too_large += 1
         return _with_quota(state, json_response(
             {"error": "too_many_items", "max_items": state.config.batch_max_items,
              "message": f"at most {state.config.batch_max_items} ids per batch"}, 413))

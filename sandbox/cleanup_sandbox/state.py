@@ -199,6 +199,8 @@ class Counters:
     batch_jobs_refused: int = 0
     batch_jobs_finished: int = 0
     batch_jobs_expired: int = 0
+    batch_refused_bad_id: int = 0
+    batch_refused_too_large: int = 0
 
 
 def recipient_ids(count: int) -> list[str]:

@@ -71,6 +71,7 @@ class LocalBudget(PolicyFeedback):
         self._clock = clock
         self._state = policy.initial(self.cfg)
         self._bucket: AsyncLimiter | None = None
+        self._costly = asyncio.Lock()  # one batch's tokens at a time (grant's cost)
         self._changed: asyncio.Event | None = None
         self._emptied_for = 0.0  # the pause whose end has emptied the bucket
         self._slots = Slots(limits.concurrency, timeout_s)
@@ -175,8 +176,14 @@ class LocalBudget(PolicyFeedback):
         try:
             if not self._held_until(self._clock())[0]:
                 # One token at a time: a strict bucket holds one, and a batch's cost must
-                # be paced as that many requests would be, not taken in one burst.
-                for _ in range(max(1, cost)):
+                # be paced as that many requests would be, not taken in one burst. One
+                # batch's tokens in a row: two batches taking theirs in turn would both
+                # leave at the end, their ids arriving at once.
+                if cost > 1:
+                    async with self._costly:
+                        for _ in range(cost):
+                            await bucket.acquire()
+                else:
                     await bucket.acquire()
                 now = self._clock()
                 if not self._held_until(now)[0]:

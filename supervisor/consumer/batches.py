@@ -272,8 +272,11 @@ class BatchSender:
             answer = await self.client.send(ids, batch.id)
             tries += 1
             whole = answer.whole
-            throttled_items = answer.items is not None and any(
-                s == 429 for s in answer.items.values())
+            # An item throttled on its own (Graph's inner 429) implicates the limit that
+            # counts items: the budget's only when it counts items. Under a per-request
+            # cost the request was within its limit; the item is just sent again.
+            throttled_items = self.batch.cost == "items" and answer.items is not None \
+                and any(s == 429 for s in answer.items.values())
             fb = feedback(whole)
             if throttled_items and fb.outcome is Outcome.OK:
                 fb = Feedback(Outcome.THROTTLED, whole.elapsed_s, whole.retry_after_s,

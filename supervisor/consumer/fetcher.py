@@ -97,8 +97,11 @@ class Fetcher:
             waiting = self._inbox.qsize()
             wanted = self._idle + prefetch - waiting
             # Refill once half the prefetched messages are taken: one call for several
-            # messages, not one call per worker that frees up.
-            if wanted <= 0 or waiting > prefetch // 2:
+            # messages, not one call per worker that frees up. Prefetched are those no
+            # idle worker is about to take: messages just put in the inbox still count
+            # their workers as idle until those run, and a worker that waits for a whole
+            # batch to be answered does not come back to ask (batch partners).
+            if wanted <= 0 or waiting - self._idle > prefetch // 2:
                 self.wanted.clear()
                 await self.wanted.wait()
                 continue

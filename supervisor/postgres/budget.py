@@ -104,6 +104,7 @@ class PostgresBudget(PolicyFeedback):
         self._faults: set[str] = set()
         self._changed = asyncio.Event()  # the pause changed: waiters in ready() look again
         self._book = SlotBook(limits.burst, clock, lambda: self._view.state)
+        self._costly = asyncio.Lock()  # one batch's slots at a time (grant's cost)
         self._view = SharedView(
             self.cfg, self._table,
             [RollingQuota(q.name, q.limit, q.period_seconds) for q in limits.quotas], clock,
@@ -236,6 +237,14 @@ class PostgresBudget(PolicyFeedback):
         return await self._slots.admit(self.ready, self._clock)
 
     async def grant(self, admission: Admission, cost: int = 1) -> Grant | None:
+        if cost > 1:
+            # One batch's slots in a row: two batches taking theirs in turn would both
+            # leave at the end, their ids arriving at once.
+            async with self._costly:
+                return await self._grant(admission, cost)
+        return await self._grant(admission, cost)
+
+    async def _grant(self, admission: Admission, cost: int) -> Grant | None:
         if admission.spent:
             raise RuntimeError("PostgresBudget.grant: this admission was spent already")
         admission.spent = True

@@ -83,7 +83,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """N / R (or a batch partner's requests / R) against the cron ceiling and the digest
     cutoff (supervisor/plan.py)."""
     from supervisor import plan
-    from supervisor.batch.settings import Shape
+    from supervisor.batchsettings import Shape
 
     path = _config_path(args.config)
     # Without a file the arithmetic needs no secret: the defaults, not a validated load.

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from supervisor.batch.settings import BatchConfig, Cost, Shape
+from supervisor.batchsettings import BatchConfig, Cost, Shape
 from supervisor.config import Config
 from supervisor.errors import SourceError
 from supervisor.schedule import next_slot

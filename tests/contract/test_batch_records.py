@@ -5,10 +5,26 @@ operation's open attempt, and the job cap shared by everyone writing to one ledg
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from supervisor.model import Batch, Settlement
 from supervisor.states import OpState
-from tests.contract.test_ledger import Backend, backend, discovered_run, embedded_target  # noqa: F401
+from tests.contract.test_ledger import Backend, _target, discovered_run, open_backend
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def target(request: pytest.FixtureRequest) -> tuple[str, Any]:
+    return _target(request)
+
+
+@pytest.fixture
+async def backend(target: tuple[str, Any], tmp_path: Path) -> AsyncIterator[Backend]:
+    async with open_backend(target[0], tmp_path, target[1]) as b:
+        yield b
 
 
 async def _batch_of(b: Backend, ids: list[str], batch_id: str = "b-1",
@@ -31,14 +47,16 @@ class TestBatchRecords:
         assert sorted(m.recipient_id for m in members) == ["r-1", "r-2", "r-3"]
         assert all(m.outcome is None for m in members)
         batch = await backend.ledger.get_batch("b-1")
-        assert batch is not None and (batch.state, batch.size, batch.shape) == ("formed", 3, "job")
+        assert batch is not None
+        assert (batch.state, batch.size, batch.shape) == ("formed", 3, "job")
         assert await backend.ledger.get_batch("nope") is None
 
     async def test_an_open_attempt_names_its_batch_until_it_is_settled(
             self, backend: Backend) -> None:
         op_ids = await _batch_of(backend, ["r-1", "r-2"])
         found = await backend.ledger.open_batch_of(op_ids[0])
-        assert found is not None and found.id == "b-1"
+        assert found is not None
+        assert found.id == "b-1"
         [member] = [m for m in await backend.ledger.batch_members("b-1")
                     if m.operation_id == op_ids[0]]
         await backend.ledger.settle([Settlement(op_ids[0], OpState.DELETED, None,
@@ -58,12 +76,14 @@ class TestBatchRecords:
         assert batch is not None
         assert (batch.job_ref, batch.results_expire_at, batch.detail) == ("J-7", 1234.0,
                                                                           "running")
-        assert batch.submitted_at is not None and batch.polled_at is not None
+        assert batch.submitted_at is not None
+        assert batch.polled_at is not None
         assert batch.closed_at is None
         assert [j.id for j in await backend.ledger.open_jobs()] == ["b-1"]
         await backend.ledger.update_batch("b-1", "closed")
         batch = await backend.ledger.get_batch("b-1")
-        assert batch is not None and batch.closed_at is not None
+        assert batch is not None
+        assert batch.closed_at is not None
         assert await backend.ledger.open_jobs() == []
 
     async def test_the_job_cap_holds_under_concurrent_reservations(

@@ -59,7 +59,8 @@ async def test_per_item_each_operation_settles_on_its_own_verdict(e2e: E2E) -> N
     assert c["failed"] == stats["batch_item_errors"] > 0, (run, stats)
     assert stats["present"] <= c["failed"], (run, stats)
     assert c["already_absent"] + c["failed"] >= stats["initially_absent"], (run, stats)
-    assert stats["deleted"] == c["deleted"] and stats["duplicates"] == 0, stats
+    assert stats["deleted"] == c["deleted"], stats
+    assert stats["duplicates"] == 0, stats
     assert stats["batch_item_throttled"] > 0, stats
     # A batch request per 50 ids, plus the resends of throttled items: far below one
     # request per operation.
@@ -77,7 +78,8 @@ async def test_a_bad_id_is_split_out_and_fails_alone(e2e: E2E) -> None:
     failed = await svc.operations(run["id"], state="failed")
     assert [op["recipient_id"] for op in failed] == ["r-000077"], run
     stats = await sandbox.stats()
-    assert stats["present"] == 1 and stats["deleted"] == run["counts"]["deleted"], stats
+    assert stats["present"] == 1, stats
+    assert stats["deleted"] == run["counts"]["deleted"], stats
     assert stats["duplicates"] == 0, stats
     # Halving a batch of 50 down to the bad id takes a handful of requests, not 50.
     assert stats["batch_refused_bad_id"] <= 2 * 6, stats
@@ -90,7 +92,8 @@ async def test_the_partners_cap_is_learnt_from_413(e2e: E2E) -> None:
     run = await _drain(svc)
     stats = await sandbox.stats()
     assert run["counts"]["deleted"] + run["counts"]["already_absent"] == 300, run
-    assert stats["present"] == 0 and stats["deleted"] == run["counts"]["deleted"], stats
+    assert stats["present"] == 0, stats
+    assert stats["deleted"] == run["counts"]["deleted"], stats
     assert stats["duplicates"] == 0, stats
     # Refused whole at 100, then at 50, then never again: the cap is kept.
     assert 1 <= stats["batch_refused_too_large"] <= 4, stats
@@ -104,7 +107,8 @@ async def test_accepted_whole_is_confirmed_by_probes_and_silent_misses_sent_agai
     run = await _drain(svc)
     stats = await sandbox.stats()
     c = run["counts"]
-    assert c["deleted"] == 300 and c["failed"] == c["ambiguous"] == 0, run
+    assert c["deleted"] == 300, run
+    assert c["failed"] == c["ambiguous"] == 0, run
     assert stats["present"] == 0, stats  # every silent miss found and deleted
     assert stats["batch_silent_misses"] > 0, stats
     # A silent miss is sent again once found present; nothing is deleted twice.
@@ -136,7 +140,8 @@ async def test_jobs_are_polled_and_their_per_item_results_copied(e2e: E2E) -> No
     assert c["deleted"] + c["already_absent"] + c["failed"] == N, run
     assert c["failed"] == stats["batch_item_errors"] > 0, (run, stats)
     assert stats["present"] <= c["failed"], (run, stats)
-    assert stats["deleted"] == c["deleted"] and stats["duplicates"] == 0, stats
+    assert stats["deleted"] == c["deleted"], stats
+    assert stats["duplicates"] == 0, stats
     assert stats["batch_jobs_submitted"] >= N / 50, stats
     # The cap is ours, not the partner's 429: no submission was refused for it.
     assert stats["batch_jobs_refused"] == 0, stats
@@ -175,4 +180,5 @@ async def test_a_per_item_cost_is_paced_in_ids(e2e: E2E) -> None:
     stats = await sandbox.stats()
     assert run["counts"]["deleted"] + run["counts"]["already_absent"] == 400, run
     assert stats["rate_limited"] <= 2, stats
-    assert stats["deleted"] == run["counts"]["deleted"] and stats["duplicates"] == 0, stats
+    assert stats["deleted"] == run["counts"]["deleted"], stats
+    assert stats["duplicates"] == 0, stats

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from supervisor.batch.settings import BatchConfig
+from supervisor.batchsettings import BatchConfig
 from supervisor.plan import (
     CRON_MARGIN,
     OVERHEADS,

@@ -196,43 +196,61 @@ class BatchSender:
                 raise
 
     async def _form_and_send(self, items: list[Item]) -> None:
+        """Write the attempts and the batch, then wait for the token and send at once:
+        nothing is written between the token and the request, so the requests leave
+        at the pace the budget grants them (a write's delay there bunched two batches
+        into one of the partner's bursts)."""
         if self.batch.shape == "job":
             await self._job_slot()
-        cost = len(items) if self.batch.cost == "items" else 1
         admission = await self.budget.admit()
         try:
+            opened = await self._open(items)
+            if opened is None:
+                return
+            batch, members = opened
+            cost = len(members) if self.batch.cost == "items" else 1
             grant = await self.budget.grant(admission, cost)
         finally:
-            self.budget.withdraw(admission)
-        if grant is None:  # a hold began: nothing written, everyone waits it out
-            for it in items:
-                it.resolve(AGAIN)
+            self.budget.withdraw(admission)  # nothing once grant has spent it
+        if grant is None:
+            # A hold began before the token came: nothing left, the attempts close
+            # unsent and everyone waits the hold out.
+            await self._settle([(it, refused_whole(batch.id, Answer(
+                Verdict.TRANSIENT, None, ""), "was not sent: a hold began first"))
+                for it in members])
+            await self.ledger.update_batch(batch.id, "closed", detail="not sent")
             return
-        begun = await asyncio.gather(*(self._begin(it) for it in items))
+        for it in members:
+            if it.task is not None:
+                self._phases[it.task] = Phase.SENDING
+        await self._send(batch, members, grant_taken=grant)
+
+    async def _open(self, items: list[Item]) -> tuple[Batch, list[Item]] | None:
+        """Every item's attempt and the batch row: the batch, and the items it carries
+        (the others are told what to do instead). None: nothing to send."""
+        begun = await self._begin_all(items)
         members = [it for it, b in zip(items, begun, strict=True) if b is None]
         for it, b in zip(items, begun, strict=True):
             if b is not None:
                 it.resolve(b)
         if not members:
-            self.budget.release(grant, Feedback(Outcome.OTHER))
-            return
-        batch = Batch(new_batch_id(), self.batch.shape, len(members), "formed", time.time())
+            return None
+        # Per-item and accepted batches are "sent" from here: a crash before the
+        # request leaves is recovered as if it had (sent again under its key; held
+        # for a probe without keys). A job's is "formed" until its slot is reserved:
+        # a job formed and never submitted is known not to have been.
+        state = "formed" if self.batch.shape == "job" else "sent"
+        batch = Batch(new_batch_id(), self.batch.shape, len(members), state, time.time())
         await self.ledger.record_batch(batch, [(it.attempt_id or 0, pos)
                                                for pos, it in enumerate(members)])
-        if self.batch.shape == "job":
-            if not await self.ledger.reserve_job(batch.id, self.batch.max_jobs_in_flight):
-                self.budget.release(grant, Feedback(Outcome.OTHER))
-                await self._settle([(it, refused_whole(batch.id, Answer(
-                    Verdict.TRANSIENT, None, ""), "found the partner's job limit reached"))
-                    for it in members])
-                await self.ledger.update_batch(batch.id, "closed", detail="job limit")
-                return
-        else:
-            await self.ledger.update_batch(batch.id, "sent")
-        for it in members:
-            if it.task is not None:
-                self._phases[it.task] = Phase.SENDING
-        await self._send(batch, members, grant_taken=grant)
+        if self.batch.shape == "job" and not await self.ledger.reserve_job(
+                batch.id, self.batch.max_jobs_in_flight):
+            await self._settle([(it, refused_whole(batch.id, Answer(
+                Verdict.TRANSIENT, None, ""), "found the partner's job limit reached"))
+                for it in members])
+            await self.ledger.update_batch(batch.id, "closed", detail="job limit")
+            return None
+        return batch, members
 
     async def _job_slot(self) -> None:
         """Wait while the partner's jobs in flight are at the cap (shared by replicas:
@@ -244,6 +262,29 @@ class BatchSender:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.batch.poll_max_seconds):
                     await self.job_closed.wait()
+
+    async def _begin_all(self, items: list[Item]) -> list[Action | None]:
+        """Write every item's attempt: one write under keys; without, one each (a
+        refusal for an open attempt must be told from another worker's hold)."""
+        if not self.config.partner.idempotency_keys:
+            return list(await asyncio.gather(*(self._begin(it) for it in items)))
+        starts = []
+        for it in items:
+            assert it.delivery is not None
+            starts.append((it.op.id, it.delivery.receipt))
+        found = await self.ledger.begin_attempts(starts, "delete", self._busy_s)
+        out: list[Action | None] = []
+        for it, got in zip(items, found, strict=True):
+            if isinstance(got, int):
+                it.attempt_id = got
+                out.append(None)
+            elif isinstance(got, OperationBusy):
+                out.append(busy(self.rules, got.until - time.time()))
+            elif isinstance(got, IllegalTransition):
+                out.append(Action(Do.DROP, reason="settled", duplicate=True))
+            else:
+                raise got
+        return out
 
     async def _begin(self, it: Item) -> Action | None:
         assert it.delivery is not None

@@ -14,6 +14,7 @@ request's own task. Both end in the same :meth:`ConsumerPool.work`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -58,7 +59,13 @@ class ConsumerPool:
         self._stopping = asyncio.Event()
         self._phases: Phases = {}
         self.frontier = Frontier()
-        self.fetcher = Fetcher(config.queue, ledger, queue, self.courier, budget,
+        receiving = config.queue
+        if config.batch.enabled and config.queue.receive_batch < config.batch.max_items:
+            # A batch's worth per receive: a batch formed from several small receives
+            # leaves at its linger half full.
+            receiving = dataclasses.replace(config.queue,
+                                            receive_batch=config.batch.max_items)
+        self.fetcher = Fetcher(receiving, ledger, queue, self.courier, budget,
                                self.frontier, self._stopping)
         self.settler = Settler(ledger, self.courier, on_settled)
         # An attempt holds its operation for its request's own bound plus slack, renewed

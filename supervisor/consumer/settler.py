@@ -63,9 +63,11 @@ class Settler:
             self._on_settled()
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> None:
-        """A batch's outcomes in one commit (supervisor/consumer/batches.py), then what
-        their messages still need; as :meth:`settle`, the commit is never torn."""
-        commit = asyncio.ensure_future(self.ledger.settle(settlements))
+        """A batch's outcomes (supervisor/consumer/batches.py), then what their messages
+        still need; as :meth:`settle`, no commit is torn. Each is its own settlement: one
+        refused (settled meanwhile by a recovery) must not undo the others' outcomes,
+        which would be resent. SQLite joins them in one group commit all the same."""
+        commit = asyncio.ensure_future(self._each(settlements))
         try:
             leftover = await asyncio.shield(commit)
         except asyncio.CancelledError:
@@ -83,6 +85,16 @@ class Settler:
                 metrics.count_settled(s.target.value)
                 self.settled += 1
                 self._on_settled()
+
+    async def _each(self, settlements: Sequence[Settlement]) -> list[Settlement]:
+        done = await asyncio.gather(*(self.ledger.settle([s]) for s in settlements),
+                                    return_exceptions=True)
+        failed = [r for r in done if isinstance(r, BaseException)]
+        for exc in failed:
+            log.warning("a batch item's outcome was not written: %s", exc)
+        if failed:
+            raise failed[0]
+        return [s for r in done if not isinstance(r, BaseException) for s in r]
 
     async def defer(self, delivery: Delivery, delay_s: float) -> None:
         """Publish the message again for ``delay_s`` from now and ack this copy; a

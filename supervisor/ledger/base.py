@@ -153,6 +153,14 @@ class Ledger(BatchRecords, Protocol):
         idempotency keys: a resend after an unknown outcome would be blind).
         """
 
+    async def begin_attempts(self, starts: Sequence[tuple[str, str]], kind: str,
+                             busy_s: float) -> list[int | Exception]:
+        """:meth:`begin_attempt` for many operations in one write, ``(operation_id,
+        owner)`` each, superseding whatever attempt is open (a batch under idempotency
+        keys): each one's attempt ID, or what refused it (OperationBusy,
+        IllegalTransition, KeyError), in order. A refusal writes nothing for its
+        operation and does not stop the others."""
+
     async def keep_attempt(self, operation_id: str, attempt_id: int, owner: str,
                            busy_s: float) -> bool:
         """Hold the operation for ``busy_s`` more (from the ledger's clock's now) while

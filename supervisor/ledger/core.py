@@ -22,7 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import orjson
 
 from supervisor import states
-from supervisor.errors import AttemptOpen, OperationBusy, ScanConflict
+from supervisor.errors import AttemptOpen, IllegalTransition, OperationBusy, ScanConflict
 from supervisor.ledger import rows
 from supervisor.ledger.batches import BatchBook
 from supervisor.ledger.driver import Row, Statements, Tx
@@ -357,6 +357,36 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
         # The guarded transition is the first write and raises before anything is
         # written; only the open-attempt refusal comes after a write, and needs undoing.
         return await self._write(write, savepoint=not supersedes_open)
+
+    async def begin_attempts(self, starts: Sequence[tuple[str, str]], kind: str,
+                             busy_s: float) -> list[int | Exception]:
+        sql = self._sql
+
+        async def write(tx: TxT) -> list[int | Exception]:
+            await self._admit(tx)
+            now = self._now()
+            out: list[int | Exception] = []
+            begun: dict[str, int] = {}
+            for operation_id, owner in starts:
+                try:
+                    # Refused before anything is written: nothing to undo for it.
+                    begun[operation_id] = await self._transition(
+                        tx, operation_id, OpState.IN_FLIGHT, None, count=1, now=now,
+                        owner=owner, busy_s=busy_s if busy_s > 0 else None)
+                except (OperationBusy, IllegalTransition, KeyError) as exc:
+                    out.append(exc)
+                    continue
+                out.append(-1)
+            if begun:
+                await tx.execute(sql.CLOSE_OPEN_ATTEMPTS_OF, now, list(begun))
+            for i, (operation_id, _) in enumerate(starts):
+                if out[i] == -1:
+                    [row] = await tx.fetch(sql.INSERT_ATTEMPT, operation_id,
+                                           begun[operation_id], kind, now)
+                    out[i] = int(row[0])
+            return out
+
+        return await self._write(write, savepoint=False)
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         async def write(tx: TxT) -> None:

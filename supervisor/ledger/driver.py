@@ -88,6 +88,7 @@ class Statements(Protocol):
     FINISH_ATTEMPT: str
     HAS_OPEN_ATTEMPT: str
     CLOSE_OPEN_ATTEMPTS: str
+    CLOSE_OPEN_ATTEMPTS_OF: str
     SELECT_ATTEMPTS: str
     # batches (supervisor/ledger/batches.py)
     INSERT_BATCH: str

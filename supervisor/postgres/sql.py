@@ -359,6 +359,12 @@ FINISH_ATTEMPT = (
     "WHERE id = $5 AND outcome IS NULL RETURNING id"
 )
 HAS_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE operation_id = $1 AND outcome IS NULL LIMIT 1"
+# The same for many operations (a batch's), in one statement.
+CLOSE_OPEN_ATTEMPTS_OF = (
+    "UPDATE attempts SET finished_at = $1, outcome = 'unknown', "
+    "detail = 'no outcome recorded (process stopped or lease lost)' "
+    "WHERE operation_id = ANY($2::text[]) AND outcome IS NULL"
+)
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = $1, outcome = 'unknown', "
     "detail = 'no outcome recorded (process stopped or lease lost)' "

@@ -147,6 +147,47 @@ class SqliteLedger(LedgerCore[SqliteTx]):
             return []
         return await super().settle(settlements)
 
+    async def begin_attempts(self, starts: Sequence[tuple[str, str]], kind: str,
+                             busy_s: float) -> list[int | Exception]:
+        """A batch's attempts in one ``executemany`` per statement when none is refused
+        (the common case); else the core's rules one by one, which say what refused
+        each. Either way one group commit."""
+        if not starts:
+            return []
+        found = await self.db.write(functools.partial(self._begin_many, starts, kind, busy_s))
+        if found is not None:
+            return list(found)
+        return await super().begin_attempts(starts, kind, busy_s)
+
+    @staticmethod
+    async def _begin_many(starts: Sequence[tuple[str, str]], kind: str, busy_s: float,
+                          conn: aiosqlite.Connection) -> list[int] | None:
+        now = time.time()
+        ids = [op_id for op_id, _ in starts]
+        await conn.execute("SAVEPOINT begin_many")
+        before = conn.total_changes
+        await conn.executemany(
+            sql.transition(OpState.IN_FLIGHT, guard_busy=True, returning=False),
+            [(OpState.IN_FLIGHT.value, None, 1, now, owner, busy_s if busy_s > 0 else None,
+              op_id) for op_id, owner in starts])
+        if conn.total_changes - before != len(starts) or len(set(ids)) != len(ids):
+            await conn.execute("ROLLBACK TO begin_many")
+            await conn.execute("RELEASE begin_many")
+            return None
+        listed = orjson.dumps(ids).decode()
+        await conn.execute(sql.CLOSE_OPEN_ATTEMPTS_OF, (now, listed))
+        counts: dict[str, int] = {r[0]: int(r[1]) for r in
+                                  await conn.execute_fetchall(sql.SELECT_ATTEMPT_COUNTS,
+                                                              (listed,))}
+        await conn.executemany(sql.INSERT_ATTEMPT_MANY,
+                               [(op_id, counts[op_id], kind, now) for op_id in ids])
+        # Just closed every other: the only open attempt of each is the one just written.
+        opened: dict[str, int] = {r[0]: int(r[1]) for r in
+                                  await conn.execute_fetchall(sql.SELECT_OPEN_ATTEMPTS_OF,
+                                                              (listed,))}
+        await conn.execute("RELEASE begin_many")
+        return [opened[op_id] for op_id in ids]
+
     async def _settle_batched(self, settlement: Settlement) -> None:
         """Join the settlements of every worker that settles before the next group commit,
         and write them with one ``executemany`` per statement instead of three statements

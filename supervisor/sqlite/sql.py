@@ -410,6 +410,21 @@ OWNS_ATTEMPT = f"SELECT 1 FROM operations WHERE {_OWNED}"
 KEEP_ATTEMPT = f"UPDATE operations SET busy_until = :busy_until WHERE {_OWNED}"
 # A redelivery found the last attempt unfinished: its outcome is unknown for good.
 HAS_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE operation_id = ? AND outcome IS NULL LIMIT 1"
+# A batch's attempts in one executemany (sqlite/ledger.py, begin_attempts).
+SELECT_ATTEMPT_COUNTS = (
+    "SELECT id, attempts FROM operations WHERE id IN (SELECT value FROM json_each(?1))"
+)
+INSERT_ATTEMPT_MANY = "INSERT INTO attempts (operation_id, n, kind, started_at) VALUES (?, ?, ?, ?)"
+SELECT_OPEN_ATTEMPTS_OF = (
+    "SELECT operation_id, id FROM attempts "
+    "WHERE operation_id IN (SELECT value FROM json_each(?1)) AND outcome IS NULL"
+)
+# The same for many operations (a batch's), in one statement.
+CLOSE_OPEN_ATTEMPTS_OF = (
+    "UPDATE attempts SET finished_at = ?1, outcome = 'unknown', "
+    "detail = 'no outcome recorded (process stopped or lease lost)' "
+    "WHERE operation_id IN (SELECT value FROM json_each(?2)) AND outcome IS NULL"
+)
 CLOSE_OPEN_ATTEMPTS = (
     "UPDATE attempts SET finished_at = ?, outcome = 'unknown', "
     "detail = 'no outcome recorded (process stopped or lease lost)' "

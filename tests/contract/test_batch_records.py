@@ -104,3 +104,35 @@ class TestBatchRecords:
         await backend.ledger.update_batch(f"b-{held[0]}", "closed")
         free = [i for i, ok in enumerate(got) if not ok]
         assert await backend.ledger.reserve_job(f"b-{free[0]}", 2)
+
+
+class TestBeginAttempts:
+    async def test_one_write_begins_each_and_says_what_refused_the_rest(
+            self, backend: Backend) -> None:
+        from supervisor.errors import IllegalTransition, OperationBusy
+
+        run = await discovered_run(backend, ["r-1", "r-2", "r-3", "r-4"])
+        ops = await backend.ledger.list_operations(run.id, None, None, 100)
+        a, b, c, d = (op.id for op in ops)
+        held = await backend.ledger.begin_attempt(b, "delete", owner="other", busy_s=60.0)
+        await backend.ledger.settle([Settlement(c, OpState.DELETED, None, outcome="deleted",
+                                                attempt_id=await backend.ledger.begin_attempt(
+                                                    c, "delete"))])
+        got = await backend.ledger.begin_attempts(
+            [(a, "me"), (b, "me"), (c, "me"), (d, "me"), ("op_nope", "me")], "delete", 30.0)
+        assert isinstance(got[0], int)
+        assert isinstance(got[3], int)
+        assert isinstance(got[1], OperationBusy)
+        assert isinstance(got[2], IllegalTransition)
+        assert isinstance(got[4], KeyError)
+        # The refused ones are untouched: b still held by the other owner's attempt.
+        assert (await backend.ledger.get_operation(b)).attempts == 1  # type: ignore[union-attr]
+        assert await backend.ledger.owns_attempt(b, held, "other", 1.0)
+        op_a = await backend.ledger.get_operation(a)
+        assert op_a is not None
+        assert (op_a.state, op_a.attempts, op_a.unfinished_attempt) == (OpState.IN_FLIGHT, 1, True)
+        # The same owner begins again, superseding its own open attempt (a resend under
+        # the same key).
+        again = await backend.ledger.begin_attempts([(a, "me")], "delete", 30.0)
+        assert isinstance(again[0], int)
+        assert again[0] != got[0]

@@ -91,3 +91,4 @@ async def test_dropped_batches_are_never_sent() -> None:
     await asyncio.sleep(0.05)  # past the linger: nothing may leave
     assert formed == []
     assert chunker.pending == 0
+

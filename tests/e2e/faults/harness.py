@@ -16,6 +16,10 @@ Every case ends with :func:`verify`, which asserts what issue 3 promises:
 * the run's counts in the API equal the ledger's rows, read from the SQLite file
   (read-only) after the service stopped; the attempts rows agree with what the partner
   saw and with each operation's attempts log in the API;
+* with a batch partner (``batch``, docs/batch.md): every batch the partner received was
+  recorded before it left, under its batch ID as key (the same ids each time it was sent
+  again); each operation settled on its item's result settled on what the partner did;
+  the batch rows left open are returned, for the case to assert last;
 * with ``queue.backend = "infrai"`` (the emulator process) instead of the embedded
   queue's table: whatever the emulator still holds belongs to settled operations, and
   its own counts agree with the messages its call log shows.
@@ -152,7 +156,7 @@ class FaultService(Service):
         self.env = dict(self.env if env is None else env)
         self.kills = 0
         self.history: list[FaultProcess] = []  # type: ignore[assignment]
-        self.current: FaultProcess | None = None  # type: ignore[assignment]
+        self.current: FaultProcess | None = None
 
     async def start(self) -> FaultProcess:
         await super().start()
@@ -260,13 +264,27 @@ class Verified:
     log: list[dict[str, Any]]  # the partner's executions, in order
     infrai: InfraiMessages | None = None  # the emulator's messages, after the stop
     infrai_stats: dict[str, Any] | None = None  # GET /_emulator/stats, after the stop
+    # Batch partners: how many requests the partner received under each batch ID (keys)
+    sends: Counter[str] = field(default_factory=Counter)
+    # Batches the ledger still shows open once the run settled (see open_batches): the
+    # caller asserts there are none, last, so that is all that is wrong when it fails.
+    left_open: list[LeftOpen] = field(default_factory=list)
+
+
+# A batch closed with one of these details never left (docs/batch.md: a batch written and
+# never sent, or refused by our own count of the partner's jobs before it was sent).
+UNSENT_BATCH = ("never sent", "job limit")
 
 
 async def verify(e2e: E2E, svc: FaultService, sandbox: Sandbox, run_id: str, mode: Mode,
                  fault: Fault, *, probing: bool = True, allow_ambiguous: bool = False,
-                 operator_rows: int = 0) -> Verified:
+                 operator_rows: int = 0, batch: str = "") -> Verified:
     """Settle the run, check it against the partner's record, stop the service, and
-    check the API's counts against the ledger file."""
+    check the API's counts against the ledger file.
+
+    ``batch`` is the service's ``batch.shape`` ("" for one DELETE per operation): then
+    a request carries a batch, its key is the batch ID, and requests are counted per
+    batch."""
     run = await settle(svc, run_id, probing=probing)
     stats = await sandbox.stats()
     log = await sandbox.log()
@@ -296,11 +314,15 @@ async def verify(e2e: E2E, svc: FaultService, sandbox: Sandbox, run_id: str, mod
     executions = Counter(e["recipient_id"] for e in log)
     assert max(executions.values(), default=0) <= 1, executions.most_common(3)
     op_of = {op["recipient_id"]: op for op in ops}
-    for e in log:
-        op = op_of[e["recipient_id"]]
-        assert e["idempotency_key"] == (op["id"] if mode.keys else None), (e, op)
+    if not batch:  # a batch's key is its batch ID, checked against the ledger below
+        for e in log:
+            op = op_of[e["recipient_id"]]
+            assert e["idempotency_key"] == (op["id"] if mode.keys else None), (e, op)
     ended = counts["deleted"] + counts["already_absent"]
-    if mode.keys:
+    # A batch's items may settle on probes (an accepted batch says nothing per id; a
+    # job's results may be gone): each outcome read from the partner's own answer is
+    # checked against its execution once the ledger is read (check_batches).
+    if mode.keys and not batch:
         # Each outcome is the partner's own answer (replayed after a fault).
         assert counts["deleted"] == stats["deleted"], (run, stats)
         assert counts["already_absent"] == stats["absent_answers"], (run, stats)
@@ -333,14 +355,20 @@ async def verify(e2e: E2E, svc: FaultService, sandbox: Sandbox, run_id: str, mod
     assert rows.attempts["operator"] == operator_rows, rows.attempts
     for op_id, api_log in api_logs.items():
         assert api_log == rows.log_of.get(op_id, []), (op_id, api_log)
-    # Every DELETE the partner received was recorded as an attempt before it was sent; a
-    # kill between the record and the send adds a row without a request. An attempt
-    # closed "not sent" (a hold began, or its ownership was lost, before the request
-    # left) is a row without one too, and says so.
-    sent = rows.attempts["delete"] - rows.not_sent
-    assert sent >= stats["requests"], (rows.attempts, rows.not_sent, stats)
+    sends: Counter[str] = Counter()
+    if not batch:
+        # Every DELETE the partner received was recorded as an attempt before it was sent;
+        # a kill between the record and the send adds a row without a request. An attempt
+        # closed "not sent" (a hold began, or its ownership was lost, before the request
+        # left) is a row without one too, and says so.
+        sent = rows.attempts["delete"] - rows.not_sent
+        assert sent >= stats["requests"], (rows.attempts, rows.not_sent, stats)
+        if svc.kills == 0:
+            assert sent == stats["requests"], (rows.attempts, rows.not_sent, stats)
+    else:
+        sends = await check_batches(sandbox, rows, ops, log, stats, mode, svc.kills)
+        fault.record.notes["item_results"] = check_item_outcomes(rows, ops, log)
     if svc.kills == 0:
-        assert sent == stats["requests"], (rows.attempts, rows.not_sent, stats)
         assert rows.attempts["probe"] == svc.count(r"\baction=probe\b"), rows.attempts
     # No attempt is left looking as if it were still in the air: one a kill interrupted
     # is closed as "unknown" when its operation is next handled.
@@ -358,9 +386,14 @@ async def verify(e2e: E2E, svc: FaultService, sandbox: Sandbox, run_id: str, mod
     r.kills += svc.kills
     r.operations += population
     r.duplicates = stats["duplicates"] + (r.duplicates or 0)
-    r.notes.update({"requests": stats["requests"], "executions": stats["executions"],
-                    "replays": stats["replays"], "probes": rows.attempts["probe"],
-                    "ambiguous_left": counts["ambiguous"]})
+    r.notes.update({"requests": stats["batch_requests"] if batch else stats["requests"],
+                    "executions": stats["executions"], "replays": stats["replays"],
+                    "probes": rows.attempts["probe"], "ambiguous_left": counts["ambiguous"]})
+    if batch:
+        # A batch's items confirmed by probes (accepted; a job whose results are gone)
+        # carry the probe on their own delete attempt, not in a probe row.
+        r.notes.update({"batches": len(rows.batches), "resent": sum(
+            n - 1 for n in sends.values()), "item_probes": rows.item_probes})
     if messages is not None and emulator is not None:
         q = emulator["queues"][svc.infrai.queue]  # type: ignore[union-attr]
         r.notes.update({
@@ -370,7 +403,104 @@ async def verify(e2e: E2E, svc: FaultService, sandbox: Sandbox, run_id: str, mod
             "reposts": q["published"] - population,
             "redeliveries": q["redeliveries"],
             "left_in_infrai": len(messages.held)})
-    return Verified(run, ops, stats, rows, executions, log, messages, emulator)
+    return Verified(run, ops, stats, rows, executions, log, messages, emulator, sends,
+                    open_batches(rows))
+
+
+async def check_batches(sandbox: Sandbox, rows: LedgerRows, ops: list[dict[str, Any]],
+                        log: list[dict[str, Any]], stats: dict[str, Any], mode: Mode,
+                        kills: int) -> Counter[str]:
+    """A batch partner's requests against the ledger's batch rows; returns how many
+    requests the partner received under each batch ID (empty without keys).
+
+    Every batch is written with its attempts before it leaves; a kill between the record
+    and the send leaves a row without a request, closed "never sent" when its items are
+    next handled. With keys, a batch whose outcome was lost goes again whole under its
+    own ID (the partner replays it); without, it is never sent twice (its items are held
+    as ambiguous and probed).
+    """
+    recipient = {op["id"]: op["recipient_id"] for op in ops}
+    for b in rows.batches.values():
+        assert len(b.members) == b.size == len(set(b.members)), b
+    may_have_left = {b.id for b in rows.batches.values()
+                     if not any(u in (b.detail or "") for u in UNSENT_BATCH)}
+    # The partner opens one request entry per distinct id of every batch it receives.
+    entries: dict[str | None, list[str]] = {}
+    for e in await sandbox.requests():
+        entries.setdefault(e["idempotency_key"], []).append(e["recipient_id"])
+    sends: Counter[str] = Counter()
+    if mode.keys:
+        assert None not in entries, entries.get(None, [])[:5]
+        for key, rids in entries.items():
+            assert key is not None
+            assert key in may_have_left, (key, rows.batches.get(key))
+            # The same ids every time the batch went (a resend is the batch, whole).
+            ids = {recipient[op_id] for op_id in rows.batches[key].members}
+            assert set(rids) == ids, (key, sorted(set(rids) ^ ids)[:5])
+            sends[key], extra = divmod(len(rids), len(ids))
+            assert extra == 0, (key, len(rids), len(ids))
+        assert sum(sends.values()) == stats["batch_requests"], (sends, stats)
+        op_of = {rid: op_id for op_id, rid in recipient.items()}
+        for e in log:
+            batches = rows.batch_of.get(op_of[e["recipient_id"]], [])
+            # Executed under one of the batches its own attempts went out in.
+            assert e["idempotency_key"] in batches, (e, batches)
+    else:
+        assert set(entries) <= {None}, list(entries)[:5]
+        assert all(e["idempotency_key"] is None for e in log), log[:3]
+        assert len(may_have_left) >= stats["batch_requests"], (len(may_have_left), stats)
+        if kills == 0:
+            assert len(may_have_left) == stats["batch_requests"], (len(may_have_left), stats)
+    return sends
+
+
+@dataclass(frozen=True)
+class LeftOpen:
+    """A batch not closed, its state, and the outcomes of the attempts it carried."""
+
+    id: str
+    state: str
+    outcomes: Counter[str | None]
+
+
+def open_batches(rows: LedgerRows) -> list[LeftOpen]:
+    """Each batch the ledger shows not closed."""
+    out = []
+    for batch_id, state in rows.open_batches.items():
+        outcomes: Counter[str | None] = Counter()
+        for op_id in rows.batches[batch_id].members:
+            deletes = [r for r in rows.log_of[op_id] if r[1] == "delete"]
+            for row, carried_by in zip(deletes, rows.batch_of[op_id], strict=True):
+                if carried_by == batch_id:
+                    outcomes[row[3]] += 1
+        out.append(LeftOpen(batch_id, state, outcomes))
+    return out
+
+
+def check_item_outcomes(rows: LedgerRows, ops: list[dict[str, Any]],
+                        log: list[dict[str, Any]]) -> int:
+    """Every operation settled on its own item's result (``item HTTP <status> in batch
+    ...``, a batch's answer or a job's, replayed or not) settled on what the partner did
+    to its recipient: 200 is the execution that deleted it, 404 one that found it
+    absent. An operation settled on a probe is the stats' business (nothing present).
+    Returns how many operations settled on their item's result."""
+    result = {e["recipient_id"]: e["result"] for e in log}
+    checked = 0
+    for op in ops:
+        last = rows.log_of.get(op["id"], [])[-1:]
+        if not last or last[0][1] != "delete":
+            continue
+        detail = last[0][4] or ""
+        if detail.startswith("item HTTP 200 "):
+            assert (op["state"], result.get(op["recipient_id"])) == ("deleted", "deleted"), (
+                op, last)
+        elif detail.startswith("item HTTP 404 "):
+            assert (op["state"], result.get(op["recipient_id"])) == (
+                "already_absent", "absent"), (op, last)
+        else:
+            continue
+        checked += 1
+    return checked
 
 
 async def check_infrai(infrai: Infrai, rows: LedgerRows,
@@ -403,6 +533,30 @@ async def control_after(sandbox: Sandbox, *, executions: int | None = None,
     stats = await sandbox.wait(within_s, **targets)
     await sandbox.control(**changes)
     return stats
+
+
+# The simulator's /_sandbox/wait long-polls executions, pages and requests only: its batch
+# counters (batch_requests, batch_jobs_submitted, batch_jobs_finished) have no event to
+# await, so they are read this often. The run is looked at every RUN_EVERY reads.
+STATS_POLL_S = 0.01
+RUN_EVERY = 10
+
+
+async def reach(sandbox: Sandbox, svc: FaultService, run_id: str, within_s: float = 30.0,
+                **targets: int) -> dict[str, Any] | None:
+    """The partner's stats once every named counter of ``/_sandbox/stats`` reaches its
+    target; None when the run is done first (nothing more may be sent)."""
+    deadline = time.monotonic() + within_s
+    reads = 0
+    while True:
+        stats = await sandbox.stats()
+        if all(stats[name] >= target for name, target in targets.items()):
+            return stats
+        reads += 1
+        if reads % RUN_EVERY == 0 and (await svc.run(run_id))["state"] == "done":
+            return None
+        assert time.monotonic() < deadline, f"partner never reached {targets}: {stats}"
+        await asyncio.sleep(STATS_POLL_S)  # a poll interval: see STATS_POLL_S
 
 
 @contextlib.asynccontextmanager

@@ -144,6 +144,8 @@ class Settlement:
     detail: str | None = None
     # A throttled attempt is not a failed one: it does not count towards max_attempts.
     refund_attempt: bool = False
+    # The batch that carried the attempt: closed in the same commit as its last outcome.
+    batch_id: str | None = None
 
 
 

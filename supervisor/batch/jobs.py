@@ -18,13 +18,13 @@ import time
 
 from supervisor import metrics
 from supervisor.batch.client import BatchClient
-from supervisor.batch.verdicts import Ruling, rule, rule_probe, rule_result
+from supervisor.batch.verdicts import Ruling, rule_probe, rule_result
 from supervisor.budget.base import Feedback, Outcome, RateBudget
 from supervisor.config import Config
 from supervisor.ledger.base import Ledger
 from supervisor.model import Batch, BatchMember, Disposition, Message, Operation, Settlement
 from supervisor.outcomes import feedback
-from supervisor.partner import Answer, PartnerClient, Verdict
+from supervisor.partner import PartnerClient
 from supervisor.queue.courier import Courier
 from supervisor.states import SETTLED, OpState
 
@@ -126,19 +126,15 @@ class JobPoller:
                                            polled=True, detail="found by our tag")
             return
         if found.known:
-            # Never arrived: nothing can act on it. Its items go round again.
-            members = await self._open_members(job)
-            ops = await self._ops(members)
-            answer = Answer(Verdict.TRANSIENT, None,
-                            f"batch {job.id}: no job carries our tag; never submitted")
-            await self._settle(job, [(m, rule(self.config.partner, answer,
-                                              ops[m.operation_id].attempts))
-                                     for m in members if m.operation_id in ops], ops)
-            await self.ledger.update_batch(job.id, "closed", detail=answer.detail)
+            # No job carries our tag: it never arrived, or it ran and the partner has
+            # forgotten it (results kept an hour, only the last 100 jobs). Either way no
+            # job will act on these ids any more: each is probed, one gone is settled,
+            # one still there is sent again.
+            await self._probe_all(job, "no job carries our tag", resend_if_present=True)
             return
         await self._probe_all(job, f"its submission is in doubt ({found.detail})")
 
-    async def _probe_all(self, job: Batch, why: str) -> None:
+    async def _probe_all(self, job: Batch, why: str, resend_if_present: bool = False) -> None:
         members = await self._open_members(job)
         ops = await self._ops(members)
         rulings = []
@@ -153,7 +149,7 @@ class JobPoller:
             metrics.PROBES.labels(presence.value).inc()
             rulings.append((m, rule_probe(self.config.partner, job.id, presence,
                                           f"{why}; {detail}", ops[m.operation_id].attempts,
-                                          resend_if_present=False)))
+                                          resend_if_present=resend_if_present)))
         await self._settle(job, rulings, ops)
         await self.ledger.update_batch(job.id, "closed", detail=why)
 
@@ -175,7 +171,7 @@ class JobPoller:
                        disposition=Disposition.KEEP, reason=r.reason,
                        attempt_id=m.attempt_id, status=r.answer.status,
                        outcome=r.answer.verdict.value, detail=r.answer.detail,
-                       refund_attempt=r.refund)
+                       refund_attempt=r.refund, batch_id=job.id)
             for m, r in rulings])
         again = []
         for m, r in rulings:

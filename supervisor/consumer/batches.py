@@ -24,7 +24,7 @@ from supervisor.batch.chunker import Chunker
 from supervisor.batch.client import BatchAnswer, BatchClient
 from supervisor.batch.verdicts import Ruling, refused_whole, rule, rule_probe, rule_result
 from supervisor.batchsettings import BatchConfig
-from supervisor.budget.base import Feedback, Grant, Outcome, RateBudget
+from supervisor.budget.base import Admission, Feedback, Grant, Outcome, RateBudget
 from supervisor.config import Config
 from supervisor.consumer.decide import Action, Do, Rules, busy, decide
 from supervisor.consumer.executor import Phase, Phases
@@ -88,31 +88,37 @@ class BatchSender:
         self.chunker: Chunker[Item] = Chunker(config.batch, self._launch,
                                               lambda it: it.op.recipient_id)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._resending: dict[str, asyncio.Task[None]] = {}
+        self._resolving: dict[str, asyncio.Task[None]] = {}
         # Woken when a job is submitted, so the poller reads it without waiting a round.
         self.job_submitted = asyncio.Event()
         # Set by the poller when a job closes: a batch waiting for a job slot looks again.
         self.job_closed = asyncio.Event()
+        self._job_lock = asyncio.Lock()
 
     # -- the worker's side -------------------------------------------------------------
+
+    async def recover(self, delivery: Delivery, op: Operation) -> tuple[bool, Action | None]:
+        """Before anything is decided for a delivery whose operation has an open attempt
+        (its process died, or this is a copy): if a batch carried that attempt, the
+        batch decides, for every operation it carried, not this delivery's rule for a
+        lone attempt (a job may still be running; a batch is sent again only whole,
+        under its key). (False, None): not a batch's attempt. (True, action): handled,
+        and what this delivery calls for now (None: done)."""
+        batch = await self.ledger.open_batch_of(op.id)
+        if batch is None:
+            return False, None
+        found = await self._recover(delivery, batch)
+        if not isinstance(found, _Again):
+            return True, found
+        fresh = await self.ledger.get_operation(op.id)
+        action = decide(Received(fresh, 0), self.rules, time.time())
+        return True, action
 
     async def attempt(self, task: asyncio.Task[None], delivery: Delivery,
                       op: Operation) -> Action | None:
         """Work one delivery through a batch; an Action when something else is called for
         (the pool performs it), None when its outcome is written and its message moved."""
         while True:
-            if op.unfinished_attempt:
-                batch = await self.ledger.open_batch_of(op.id)
-                if batch is not None:
-                    found = await self._recover(delivery, op, batch)
-                    if not isinstance(found, _Again):
-                        return found
-                    fresh = await self.ledger.get_operation(op.id)
-                    action = decide(Received(fresh, 0), self.rules, time.time())
-                    if fresh is None or action.do is not Do.ATTEMPT:
-                        return action
-                    op = fresh
-                    continue
             self._phases[task] = Phase.WAITING
             await self.budget.ready()
             item = Item(op, delivery, task, asyncio.get_running_loop().create_future())
@@ -126,9 +132,7 @@ class BatchSender:
                 return Action(Do.DROP, reason="settled")
             op = fresh
 
-    async def _recover(self, delivery: Delivery, op: Operation, batch: Batch) -> Result:
-        """This operation's open attempt went out in ``batch``, whose outcome this
-        process no longer knows (it crashed, or the delivery is a copy)."""
+    async def _recover(self, delivery: Delivery, batch: Batch) -> Result:
         if batch.shape == "job" or batch.state in ("submitting", "submitted"):
             if batch.state == "formed":
                 return await self._unsent(batch)
@@ -138,14 +142,16 @@ class BatchSender:
             return None
         if batch.state == "formed":
             return await self._unsent(batch)
-        # It may have been sent: again, whole, under the same key (decide holds it as
-        # ambiguous without keys before it gets here). One resend per batch at a time.
-        resend = self._resending.get(batch.id)
-        if resend is None:
-            resend = asyncio.create_task(self._resend(batch), name=f"batch-resend-{batch.id}")
-            self._resending[batch.id] = resend
-            resend.add_done_callback(lambda _: self._resending.pop(batch.id, None))
-        await asyncio.shield(resend)
+        # It may have been sent. With keys: again, whole, under the same key (the
+        # partner replays its answer). Without: every item it carried is held for a
+        # probe, never resent. Once per batch, however many of its copies arrive.
+        work = self._resolving.get(batch.id)
+        if work is None:
+            how = self._resend if self.config.partner.idempotency_keys else self._hold
+            work = asyncio.create_task(how(batch), name=f"batch-recover-{batch.id}")
+            self._resolving[batch.id] = work
+            work.add_done_callback(lambda _: self._resolving.pop(batch.id, None))
+        await asyncio.shield(work)
         return AGAIN
 
     async def _unsent(self, batch: Batch) -> Result:
@@ -154,7 +160,7 @@ class BatchSender:
         members = await self.ledger.batch_members(batch.id)
         ruling = refused_whole(batch.id, Answer(Verdict.TRANSIENT, None, ""),
                                "was never sent (the process stopped first)")
-        await self._settle([(Item(await self._op(m.operation_id), None,
+        await self._settle(batch, [(Item(await self._op(m.operation_id), None,
                                   attempt_id=m.attempt_id), ruling)
                             for m in members if m.outcome is None])
         await self.ledger.update_batch(batch.id, "closed", detail="never sent")
@@ -164,6 +170,15 @@ class BatchSender:
         op = await self.ledger.get_operation(operation_id)
         assert op is not None, "a batch member's operation exists"
         return op
+
+    async def _hold(self, batch: Batch) -> None:
+        members = [m for m in await self.ledger.batch_members(batch.id) if m.outcome is None]
+        ops = await self.ledger.get_operations([m.operation_id for m in members])
+        answer = Answer(Verdict.AMBIGUOUS, None, f"batch {batch.id} may have acted and has "
+                        "no recorded outcome")
+        ruling = Ruling(OpState.AMBIGUOUS, f"{answer.detail}; not resent", answer)
+        await self._settle(batch, [(Item(ops[m.operation_id], None, attempt_id=m.attempt_id),
+                                    ruling) for m in members if m.operation_id in ops])
 
     async def _resend(self, batch: Batch) -> None:
         members = [m for m in await self.ledger.batch_members(batch.id)]
@@ -201,10 +216,18 @@ class BatchSender:
         at the pace the budget grants them (a write's delay there bunched two batches
         into one of the partner's bursts)."""
         if self.batch.shape == "job":
-            await self._job_slot()
-        admission = await self.budget.admit()
+            # One batch at a time waits for a job slot and reserves it: batches formed
+            # together would otherwise all see a free slot, and all but one be refused
+            # by the reservation (their attempts written for nothing). The slot before
+            # the budget's: the job poller needs one of those to see a job finish.
+            async with self._job_lock:
+                await self._job_slot()
+                admission = await self.budget.admit()
+                opened = await self._guarded_open(admission, items)
+        else:
+            admission = await self.budget.admit()
+            opened = await self._guarded_open(admission, items)
         try:
-            opened = await self._open(items)
             if opened is None:
                 return
             batch, members = opened
@@ -215,7 +238,7 @@ class BatchSender:
         if grant is None:
             # A hold began before the token came: nothing left, the attempts close
             # unsent and everyone waits the hold out.
-            await self._settle([(it, refused_whole(batch.id, Answer(
+            await self._settle(batch, [(it, refused_whole(batch.id, Answer(
                 Verdict.TRANSIENT, None, ""), "was not sent: a hold began first"))
                 for it in members])
             await self.ledger.update_batch(batch.id, "closed", detail="not sent")
@@ -224,6 +247,15 @@ class BatchSender:
             if it.task is not None:
                 self._phases[it.task] = Phase.SENDING
         await self._send(batch, members, grant_taken=grant)
+
+    async def _guarded_open(self, admission: Admission,
+                            items: list[Item]) -> tuple[Batch, list[Item]] | None:
+        """:meth:`_open`, giving the admission's slot back if it raises."""
+        try:
+            return await self._open(items)
+        except BaseException:
+            self.budget.withdraw(admission)
+            raise
 
     async def _open(self, items: list[Item]) -> tuple[Batch, list[Item]] | None:
         """Every item's attempt and the batch row: the batch, and the items it carries
@@ -245,7 +277,7 @@ class BatchSender:
                                                for pos, it in enumerate(members)])
         if self.batch.shape == "job" and not await self.ledger.reserve_job(
                 batch.id, self.batch.max_jobs_in_flight):
-            await self._settle([(it, refused_whole(batch.id, Answer(
+            await self._settle(batch, [(it, refused_whole(batch.id, Answer(
                 Verdict.TRANSIENT, None, ""), "found the partner's job limit reached"))
                 for it in members])
             await self.ledger.update_batch(batch.id, "closed", detail="job limit")
@@ -370,7 +402,7 @@ class BatchSender:
         else:
             rulings = await self._confirm(batch, items)
         self.chunker.answered()
-        await self._settle(list(zip(items, rulings, strict=True)))
+        await self._settle(batch, list(zip(items, rulings, strict=True)))
         await self.ledger.update_batch(batch.id, "closed", detail=whole.detail)
 
     async def _refused(self, batch: Batch, items: list[Item], whole: Answer) -> None:
@@ -384,7 +416,7 @@ class BatchSender:
             why = "was refused as too large (413)"
         else:
             why = f"was refused whole ({whole.detail}); split in halves"
-        await self._settle([(it, refused_whole(batch.id, whole, why)) for it in items],
+        await self._settle(batch, [(it, refused_whole(batch.id, whole, why)) for it in items],
                            resolve=whole.status in (429, 413))
         await self.ledger.update_batch(batch.id, "closed", detail=why)
         if whole.status not in (429, 413):
@@ -432,7 +464,7 @@ class BatchSender:
                 await self.courier.drop(it.delivery, "in_job")
             it.resolve(None)
 
-    async def _settle(self, rulings: Sequence[tuple[Item, Ruling]],
+    async def _settle(self, batch: Batch, rulings: Sequence[tuple[Item, Ruling]],
                       resolve: bool = True) -> None:
         settlements = []
         for it, r in rulings:
@@ -443,7 +475,7 @@ class BatchSender:
                 disposition=r.disposition if it.delivery is not None else Disposition.KEEP,
                 delay_s=r.delay_s, reason=r.reason, attempt_id=it.attempt_id,
                 status=r.answer.status, outcome=r.answer.verdict.value,
-                detail=r.answer.detail, refund_attempt=r.refund))
+                detail=r.answer.detail, refund_attempt=r.refund, batch_id=batch.id))
             metrics.BATCH_ITEMS.labels(r.answer.verdict.value).inc()
         await self.settler.settle_many(settlements)
         if resolve:
@@ -453,9 +485,9 @@ class BatchSender:
     async def stop(self) -> None:
         """Shutdown: nothing more is formed; batches in the air are the pool's grace."""
         self.chunker.drop_all()
-        for task in list(self._tasks) + list(self._resending.values()):
+        for task in list(self._tasks) + list(self._resolving.values()):
             task.cancel("shutdown")
-        pending = list(self._tasks) + list(self._resending.values())
+        pending = list(self._tasks) + list(self._resolving.values())
         if pending:
             await asyncio.wait(pending)
 

@@ -35,6 +35,7 @@ from supervisor.ownership import Ownership
 from supervisor.partner import PartnerClient
 from supervisor.queue.base import Queue
 from supervisor.queue.courier import Courier
+from supervisor.states import SETTLED
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +226,18 @@ class ConsumerPool:
         if received is None:  # the bookkeeping write failed: read, and count nothing
             received = Received(await self.ledger.get_operation(delivery.message.operation_id),
                                 0)
-        action = decide(received, self.rules, time.time())
         op = received.operation
+        if self.batches is not None and op is not None and op.unfinished_attempt \
+                and op.state not in SETTLED and received.held_s <= 0:
+            handled, instead = await self.batches.recover(delivery, op)
+            if handled and (instead is None or instead.do is not Do.ATTEMPT):
+                if instead is not None:
+                    await self._perform(delivery, op, instead)
+                return
+            if handled:  # its batch resolved, this one goes out again: as it is now
+                received = Received(await self.ledger.get_operation(op.id), 0)
+                op = received.operation
+        action = decide(received, self.rules, time.time())
         if op is None or action.do is not Do.ATTEMPT:
             await self._perform(delivery, op, action)
             return

@@ -379,6 +379,7 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
                 out.append(-1)
             if begun:
                 await tx.execute(sql.CLOSE_OPEN_ATTEMPTS_OF, now, list(begun))
+                await tx.execute(sql.CLOSE_FINISHED_BATCHES_OF, now, list(begun))
             for i, (operation_id, _) in enumerate(starts):
                 if out[i] == -1:
                     [row] = await tx.fetch(sql.INSERT_ATTEMPT, operation_id,
@@ -431,6 +432,7 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
                 # Held because an earlier attempt has no outcome (its process died):
                 # that outcome is unknown for good, not "still in the air".
                 await tx.execute(sql.CLOSE_OPEN_ATTEMPTS, now, s.operation_id)
+                await tx.execute(sql.CLOSE_FINISHED_BATCHES_OF, now, [s.operation_id])
             await tx.execute(sql.SETTLE_BOOKKEEPING, *self._bookkeeping(s, now))
             if self._owns_queue and s.delivery is not None:
                 if s.disposition is Disposition.ACK:
@@ -439,6 +441,9 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
                     await tx.execute(sql.RETRY_MESSAGE, self._queue_time(now, s.delay_s),
                                      s.operation_id, s.delivery.receipt)
         await self._record_events(tx, sql.INSERT_OPERATION_EVENT, settled, now)
+        batches = {s.batch_id for s in settlements if s.batch_id is not None}
+        if batches:
+            await tx.execute(sql.CLOSE_FINISHED_BATCHES, now, sorted(batches))
 
     def _bookkeeping(self, s: Settlement, now: float) -> tuple[bool, float | None, bool, str]:
         """SETTLE_BOOKKEEPING's parameters: keep the lease, the retry's due time, clear the

@@ -522,3 +522,16 @@ SELECT_OPEN_JOBS = (
     f"SELECT {_BATCH_COLUMNS} FROM batches WHERE state IN ('submitting', 'submitted') "
     "ORDER BY created_at"
 )
+
+# A batch closes in the commit that writes its last open attempt's outcome: given its ID
+# (a settlement that names it), or an operation whose open attempts were closed unknown.
+_NO_OPEN = "NOT EXISTS (SELECT 1 FROM attempts a WHERE a.batch_id = batches.id AND a.outcome IS NULL)"
+CLOSE_FINISHED_BATCHES = (
+    "UPDATE batches SET state = 'closed', closed_at = $1 "
+    f"WHERE id IN (SELECT unnest($2::text[])) AND state != 'closed' AND {_NO_OPEN}"
+)
+CLOSE_FINISHED_BATCHES_OF = (
+    "UPDATE batches SET state = 'closed', closed_at = $1 WHERE id IN (SELECT batch_id "
+    f"FROM attempts WHERE operation_id IN (SELECT unnest($2::text[])) AND batch_id IS NOT NULL) "
+    f"AND state != 'closed' AND {_NO_OPEN}"
+)

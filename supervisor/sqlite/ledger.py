@@ -176,6 +176,7 @@ class SqliteLedger(LedgerCore[SqliteTx]):
             return None
         listed = orjson.dumps(ids).decode()
         await conn.execute(sql.CLOSE_OPEN_ATTEMPTS_OF, (now, listed))
+        await conn.execute(sql.CLOSE_FINISHED_BATCHES_OF, (now, listed))
         counts: dict[str, int] = {r[0]: int(r[1]) for r in
                                   await conn.execute_fetchall(sql.SELECT_ATTEMPT_COUNTS,
                                                               (listed,))}
@@ -285,6 +286,9 @@ class SqliteLedger(LedgerCore[SqliteTx]):
         await self._record_events(SqliteTx(conn), sql.INSERT_OPERATION_EVENT,
                                   [s.operation_id for s in settlements if s.target in SETTLED],
                                   now)
+        batches = sorted({s.batch_id for s in settlements if s.batch_id is not None})
+        if batches:
+            await conn.execute(sql.CLOSE_FINISHED_BATCHES, (now, orjson.dumps(batches).decode()))
         return True
 
     # -- the in-process budget's memory ----------------------------------------------------

@@ -15,10 +15,7 @@ without its message, unless a job the partner may hold carries it (the job polle
 driven by the ledger alone, owns those).
 
 Each case ends with the fault suite's :func:`verify` in batch mode, then asserts that
-every batch row is closed. Cases that find a service bug in both partner modes, or in
-every run of a mode, are marked xfail (strict) with the bug; the bug a kill finds only
-when it lands between two commits is declared when its exact signature shows (a strict
-mark would fail each run whose kills miss that window).
+every batch row is closed (a batch closes in the commit of its last item's outcome).
 """
 
 from __future__ import annotations
@@ -39,35 +36,10 @@ MAX_ITEMS = 50
 BOOT_KILLS = 3
 
 
-# Service bugs these storms find (issue 19, point 5); see the report of batch-faults.
-CLOSE_NOT_ATOMIC = (
-    "service bug: a batch's row is closed in a commit of its own after its items settle "
-    "(supervisor/consumer/batches.py: _conclude, _refused, _unsent and the job-limit path "
-    "of _form_and_send call ledger.update_batch('closed') after _settle); a SIGKILL "
-    "between the two leaves the row formed/sent for good: no operation has an open "
-    "attempt in it, so open_batch_of never leads back to it")
-HELD_NOT_CLOSED = (
-    "service bug: without keys, decide() holds an operation whose attempt went out in a "
-    "batch as ambiguous before the batch path sees the batch (supervisor/consumer/"
-    "decide.py, unfinished_attempt and not idempotency_keys; BatchSender._recover is "
-    "never reached), and the hold closes the attempt 'unknown': the batch (formed and "
-    "never sent, sent, or a job submitting) stays open for good, a formed one is probed "
-    "as if it may have acted, and a job's results are never copied: the reconciler's "
-    "probe finds an item the job has not reached yet present and queues it again, and "
-    "the partner executes it twice")
-LOOKUP_FORGETS = (
-    "service bug: a job submission whose answer was lost is looked up by its tag, and "
-    "'no job carries our tag' is read as 'never submitted' (supervisor/batch/jobs.py, "
-    "JobPoller._find: found.known and not found.found -> TRANSIENT -> sent again), but a "
-    "partner forgets a job once its results expire: a job that ran and expired before "
-    "the lookup is submitted again and every item executed twice")
-
-
 @dataclass(frozen=True)
 class Shape:
     """One partner to storm: the service's ``[batch]`` for it, the partner's flags, its
-    pace, the kills aimed at its counters (kind -> how many), and a service bug it finds
-    in both partner modes (the case is expected to fail on it)."""
+    pace, and the kills aimed at its counters (kind -> how many)."""
 
     name: str
     shape: str  # batch.shape
@@ -76,7 +48,6 @@ class Shape:
     sandbox: tuple[str | float, ...]
     batch: dict[str, Any]
     kills: dict[str, int]
-    bug: str = ""
 
 
 _JOB_KILLS = {"request": 2, "submit": 2, "execution": 3, "finish": 3}
@@ -100,7 +71,7 @@ SHAPES = {s.name: s for s in (
     Shape("job_expiring", "job", "/recipients/batch-jobs", 20.0,
           ("--latency-ms", 100, "--batch-job-seconds", 1.0, "--batch-max-jobs", 2,
            "--batch-job-result-ttl-seconds", 0.5),
-          {"max_jobs_in_flight": 2}, _JOB_KILLS, bug=LOOKUP_FORGETS),
+          {"max_jobs_in_flight": 2}, _JOB_KILLS),
 )}
 
 
@@ -157,8 +128,6 @@ def closing(detail: str | None) -> str:
 async def test_batch_sigkill_storm(e2e: E2E, fault: Fault, mode: Mode, shape: str,
                                    request: pytest.FixtureRequest) -> None:
     s = SHAPES[shape]
-    if s.bug or not mode.keys:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=s.bug or HELD_NOT_CLOSED))
     rng = fault.rng
     sandbox = await e2e.sandbox("--recipients", POPULATION, "--seed", fault.seed,
                                 "--rate", 1000, "--batch", s.shape, *s.sandbox,
@@ -225,8 +194,5 @@ async def test_batch_sigkill_storm(e2e: E2E, fault: Fault, mode: Mode, shape: st
 
     # Every batch row closed (checked last: all else held when this fails). A row whose
     # attempts all have their batch's own outcomes lost only its closing write.
-    lost_close = [b for b in v.left_open if not {None, "unknown"} & set(b.outcomes)]
     fault.record.notes["left_open"] = len(v.left_open)
-    if mode.keys and v.left_open and lost_close == v.left_open:
-        pytest.xfail(f"{CLOSE_NOT_ATOMIC}; seed {fault.seed}: {lost_close[:3]}")
     assert v.left_open == [], v.left_open

@@ -54,6 +54,7 @@ test: lint typecheck imports
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+	$(BIN)/python bench/batch.py
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -305,6 +305,12 @@ def load(path: Path | None, environ: Mapping[str, str] | None = None,
 def _across(sections: Mapping[str, Any]) -> list[str]:
     """Problems that take two sections to see."""
     out = token_problems(sections)
+    batch = sections["batch"]
+    if batch.shape == "accepted" and not batch.settle_accepted_unprobed_risking_silent_misses \
+            and not sections["partner"].probe_path:
+        out.append("batch.shape = 'accepted' confirms each id with a probe: set "
+                   "partner.probe_path (or batch.settle_accepted_unprobed_risking_silent_"
+                   "misses = true)")
     if sections["infrai"].delivery == "push" and sections["queue"].backend != "infrai":
         out.append("infrai.delivery = 'push' needs queue.backend = 'infrai' (Infrai pushes "
                    "the messages published to its queue)")

@@ -116,7 +116,8 @@ class JobPoller:
     async def _find(self, job: Batch) -> None:
         """A submission whose answer was lost (or a crash before its reference was
         written): once its request cannot still be in the air, look it up by our tag."""
-        if time.time() - job.created_at < self.config.partner.request_bound_seconds:
+        if time.time() - (job.submitted_at or job.created_at) \
+                < self.config.partner.request_bound_seconds:
             return
         grant = await self.budget.acquire()
         found = await self.client.lookup(job.id)

@@ -51,7 +51,14 @@ def rule_result(p: PartnerConfig, batch_id: str, items: dict[str, int] | None,
         missing = Answer(Verdict.AMBIGUOUS, whole.status,
                          f"batch {batch_id} answered with no result for it")
         return Ruling(OpState.AMBIGUOUS, f"{missing.detail}; not resent", missing)
-    return rule(p, item_answer(batch_id, status, whole), attempts)
+    answer = item_answer(batch_id, status, whole)
+    if answer.verdict is Verdict.THROTTLED:
+        # Throttled on its own (Graph's inner 429): an attempt like any retryable one,
+        # backed off and counted, so an item the partner keeps refusing ends failed
+        # instead of going round for ever. (A whole batch's 429 pauses everyone and
+        # counts nothing: refused_whole.)
+        answer = Answer(Verdict.TRANSIENT, status, answer.detail, elapsed_s=answer.elapsed_s)
+    return rule(p, answer, attempts)
 
 
 def refused_whole(batch_id: str, whole: Answer, why: str) -> Ruling:

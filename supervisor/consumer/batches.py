@@ -201,6 +201,9 @@ class BatchSender:
             if items:
                 await self._form_and_send(items)
         except BaseException as exc:
+            if isinstance(exc, Exception):
+                log.warning("a batch of %d could not be completed: %r; its items go back "
+                            "to their workers", len(items), exc)
             for it in items:
                 if it.done is not None and not it.done.done():
                     if isinstance(exc, asyncio.CancelledError):
@@ -216,20 +219,41 @@ class BatchSender:
         at the pace the budget grants them (a write's delay there bunched two batches
         into one of the partner's bursts)."""
         if self.batch.shape == "job":
-            # One batch at a time waits for a job slot and reserves it: batches formed
-            # together would otherwise all see a free slot, and all but one be refused
-            # by the reservation (their attempts written for nothing). The slot before
-            # the budget's: the job poller needs one of those to see a job finish.
+            # One batch at a time waits for a job slot, its token, and reserves the slot
+            # right before it leaves: batches formed together would otherwise all see a
+            # free slot and all but one be refused; and a slot reserved long before its
+            # request left would be looked up by the poller as a submission in doubt.
+            # The job slot before the budget's: the poller needs one to see a job end.
             async with self._job_lock:
                 await self._job_slot()
-                admission = await self.budget.admit()
-                opened = await self._guarded_open(admission, items)
+                granted = await self._granted(items)
+                if granted is None:
+                    return
+                batch, members, grant = granted
+                if not await self.ledger.reserve_job(batch.id, self.batch.max_jobs_in_flight):
+                    self.budget.release(grant, Feedback(Outcome.OTHER))
+                    await self._settle(batch, [(it, refused_whole(batch.id, Answer(
+                        Verdict.TRANSIENT, None, ""), "found the partner's job limit "
+                        "reached")) for it in members])
+                    return
         else:
-            admission = await self.budget.admit()
-            opened = await self._guarded_open(admission, items)
-        try:
-            if opened is None:
+            granted = await self._granted(items)
+            if granted is None:
                 return
+            batch, members, grant = granted
+        for it in members:
+            if it.task is not None:
+                self._phases[it.task] = Phase.SENDING
+        await self._send(batch, members, grant_taken=grant)
+
+    async def _granted(self, items: list[Item]) -> tuple[Batch, list[Item], Grant] | None:
+        """A concurrency slot, the attempts and the batch row, then the token: the batch,
+        what it carries and its grant; None when nothing is to be sent."""
+        admission = await self.budget.admit()
+        try:
+            opened = await self._guarded_open(admission, items)
+            if opened is None:
+                return None
             batch, members = opened
             cost = len(members) if self.batch.cost == "items" else 1
             grant = await self.budget.grant(admission, cost)
@@ -241,12 +265,8 @@ class BatchSender:
             await self._settle(batch, [(it, refused_whole(batch.id, Answer(
                 Verdict.TRANSIENT, None, ""), "was not sent: a hold began first"))
                 for it in members])
-            await self.ledger.update_batch(batch.id, "closed", detail="not sent")
-            return
-        for it in members:
-            if it.task is not None:
-                self._phases[it.task] = Phase.SENDING
-        await self._send(batch, members, grant_taken=grant)
+            return None
+        return batch, members, grant
 
     async def _guarded_open(self, admission: Admission,
                             items: list[Item]) -> tuple[Batch, list[Item]] | None:
@@ -275,13 +295,6 @@ class BatchSender:
         batch = Batch(new_batch_id(), self.batch.shape, len(members), state, time.time())
         await self.ledger.record_batch(batch, [(it.attempt_id or 0, pos)
                                                for pos, it in enumerate(members)])
-        if self.batch.shape == "job" and not await self.ledger.reserve_job(
-                batch.id, self.batch.max_jobs_in_flight):
-            await self._settle(batch, [(it, refused_whole(batch.id, Answer(
-                Verdict.TRANSIENT, None, ""), "found the partner's job limit reached"))
-                for it in members])
-            await self.ledger.update_batch(batch.id, "closed", detail="job limit")
-            return None
         return batch, members
 
     async def _job_slot(self) -> None:
@@ -304,7 +317,7 @@ class BatchSender:
         for it in items:
             assert it.delivery is not None
             starts.append((it.op.id, it.delivery.receipt))
-        found = await self.ledger.begin_attempts(starts, "delete", self._busy_s)
+        found = await self.ledger.begin_attempts(starts, "delete", self._hold_s(len(items)))
         out: list[Action | None] = []
         for it, got in zip(items, found, strict=True):
             if isinstance(got, int):
@@ -318,11 +331,20 @@ class BatchSender:
                 raise got
         return out
 
+    def _hold_s(self, k: int) -> float:
+        """How long a batch's attempts hold their operations: its request's own bound
+        (and slack), plus the wait for its tokens behind every other batch in the air
+        (a per-item cost takes k tokens each), so that no other delivery takes an
+        operation over while its batch waits to leave."""
+        cost = k if self.batch.cost == "items" else 1
+        rate = max(self.budget.snapshot().rate, self.config.limits.floor_per_second)
+        return self._busy_s + self.config.limits.concurrency * cost / rate
+
     async def _begin(self, it: Item) -> Action | None:
         assert it.delivery is not None
         try:
             it.attempt_id = await self.ledger.begin_attempt(
-                it.op.id, "delete", owner=it.delivery.receipt, busy_s=self._busy_s,
+                it.op.id, "delete", owner=it.delivery.receipt, busy_s=self._hold_s(1),
                 supersedes_open=self.config.partner.idempotency_keys)
             return None
         except OperationBusy as exc:
@@ -384,6 +406,15 @@ class BatchSender:
         if whole.verdict is not Verdict.DELETED:  # not a 2xx: every item shares it
             rulings = [rule(self.config.partner, _for_item(batch.id, whole),
                             it.op.attempts + 1) for it in items]
+            if whole.verdict is Verdict.ABSENT:
+                # A 404 or 410 to the batch is the endpoint's, not the ids': nothing was
+                # deleted, and none of them is known to be absent.
+                log.error("batch endpoint answered %s: is batch.path right? nothing was "
+                          "deleted", whole.detail, extra={"action": "batch_endpoint_missing"})
+                rulings = [rule(self.config.partner, Answer(
+                    Verdict.TERMINAL, whole.status, f"batch {batch.id}: the batch endpoint "
+                    f"answered {whole.detail}; nothing deleted"), it.op.attempts + 1)
+                    for it in items]
         elif answer.problem is not None or self.batch.shape == "per_item":
             if answer.strays:
                 log.warning("batch %s: %d results for ids not sent, ignored", batch.id,
@@ -420,11 +451,15 @@ class BatchSender:
                            resolve=whole.status in (429, 413))
         await self.ledger.update_batch(batch.id, "closed", detail=why)
         if whole.status not in (429, 413):
-            half = len(items) // 2
-            for part in (items[:half], items[half:]):
+            # Items recovered on the ledger alone (no delivery here) go round with
+            # their own deliveries.
+            held = [it for it in items if it.delivery is not None]
+            half = len(held) // 2
+            for part in (held[:half], held[half:]):
                 fresh = [Item(await self._op(it.op.id), it.delivery, it.task, it.done)
                          for it in part]
-                self._launch(fresh)
+                if fresh:
+                    self._launch(fresh)
 
     async def _confirm(self, batch: Batch, items: list[Item]) -> list[Ruling]:
         """Accepted whole: each item's probe says what happened to it."""

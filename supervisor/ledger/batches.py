@@ -70,8 +70,9 @@ class BatchBook:
             row = await tx.fetchrow(sql.COUNT_JOBS, batch_id)
             if row is not None and int(row[0]) >= cap:
                 return False
-            await tx.execute(sql.UPDATE_BATCH, batch_id, "submitting", None, None, None, None,
-                             None, None)
+            # Submitted from now: a lookup by its tag waits for its request's bound.
+            await tx.execute(sql.UPDATE_BATCH, batch_id, "submitting", None, self._now(), None,
+                             None, None, None)
             return True
 
         return await self._write(write, savepoint=False)

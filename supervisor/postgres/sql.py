@@ -501,7 +501,7 @@ UPDATE_BATCH = (
     "submitted_at = COALESCE($4, submitted_at), polled_at = COALESCE($5, polled_at), "
     "closed_at = COALESCE($6, closed_at), "
     "results_expire_at = COALESCE($7, results_expire_at), detail = COALESCE($8, detail) "
-    "WHERE id = $1"
+    "WHERE id = $1 AND state != 'closed'"
 )
 COUNT_JOBS = (
     "SELECT count(*) FROM batches WHERE state IN ('submitting', 'submitted') AND id != $1"

@@ -85,6 +85,12 @@ class TestBatchRecords:
         assert batch is not None
         assert batch.closed_at is not None
         assert await backend.ledger.open_jobs() == []
+        # A late update (a submission answered after the poller gave up on it) never
+        # reopens a closed batch.
+        await backend.ledger.update_batch("b-1", "submitted", job_ref="J-8")
+        batch = await backend.ledger.get_batch("b-1")
+        assert batch is not None
+        assert (batch.state, batch.job_ref) == ("closed", "J-7")
 
     async def test_the_job_cap_holds_under_concurrent_reservations(
             self, backend: Backend) -> None:

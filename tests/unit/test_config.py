@@ -548,3 +548,14 @@ def test_replicas_dead_after_must_outlast_a_request(tmp_path: Path) -> None:
     # One process (SQLite) has no peers: nothing to outlast.
     assert config.load(write(tmp_path, '[ledger]\ndead_after_seconds = 2\n'),
                        environ=TOKEN_ENV).ledger.dead_after_seconds == 2
+
+
+
+def test_accepted_batches_need_a_probe_or_the_named_risk(tmp_path: Path) -> None:
+    toml = "[batch]\nshape = 'accepted'\n"
+    found = problems_of(write(tmp_path, toml + "[partner]\nprobe_path = ''\n"), TOKEN_ENV)
+    assert any("batch.shape = 'accepted'" in p and "partner.probe_path" in p
+               for p in found), found
+    risked = toml + "settle_accepted_unprobed_risking_silent_misses = true\n" \
+        "[partner]\nprobe_path = ''\n"
+    assert config.load(write(tmp_path, risked), environ=TOKEN_ENV).batch.shape == "accepted"

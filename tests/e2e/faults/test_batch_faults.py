@@ -117,7 +117,7 @@ async def aim(kind: str, fault: Fault, sandbox: Sandbox, svc: FaultService,
 def closing(detail: str | None) -> str:
     """The recovery a batch's closing detail names ("" for none)."""
     for words, name in (("never sent", "never_sent"), ("job limit", "job_limit"),
-                        ("never submitted", "not_found_by_tag"),
+                        ("no job carries our tag", "not_found_by_tag"),
                         ("expired before", "results_expired"), ("(replayed)", "replayed")):
         if words in (detail or ""):
             return name

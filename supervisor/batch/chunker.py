@@ -40,8 +40,11 @@ class Chunker(Generic[T]):
     """Hands each formed batch to ``flush`` (called on the event loop, never awaited)."""
 
     def __init__(self, config: BatchConfig, flush: Callable[[list[T]], None],
-                 recipient: Callable[[T], str]) -> None:
+                 recipient: Callable[[T], str], linger: bool = True) -> None:
         self.config = config
+        # False: a partial batch never leaves on its own (a job partner's batch waits for
+        # a job slot anyway: :meth:`flush_oldest` sends the oldest when one is free).
+        self._linger = linger
         self._flush = flush
         self._recipient = recipient
         self._pattern = re.compile(config.partition_pattern) if config.partition_pattern \
@@ -76,8 +79,9 @@ class Chunker(Generic[T]):
         if batch is None:
             batch = _Open([], set(), _ENVELOPE_BYTES)
             self._open[key] = batch
-            batch.timer = asyncio.get_running_loop().call_later(
-                self.config.linger_seconds, self._leave, key)
+            if self._linger:
+                batch.timer = asyncio.get_running_loop().call_later(
+                    self.config.linger_seconds, self._leave, key)
         batch.items.append(item)
         batch.ids.add(rid)
         batch.size += size
@@ -91,6 +95,14 @@ class Chunker(Generic[T]):
             if batch.timer is not None:
                 batch.timer.cancel()
         self._open.clear()
+
+    def flush_oldest(self) -> bool:
+        """Send the partial batch that has waited longest (dicts keep insertion order);
+        False when none is open."""
+        for key in self._open:
+            self._leave(key)
+            return True
+        return False
 
     def flush_all(self) -> None:
         for key in list(self._open):

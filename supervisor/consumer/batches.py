@@ -86,7 +86,10 @@ class BatchSender:
         self._phases = phases
         self._busy_s = busy_s
         self.chunker: Chunker[Item] = Chunker(config.batch, self._launch,
-                                              lambda it: it.op.recipient_id)
+                                              lambda it: it.op.recipient_id,
+                                              linger=config.batch.shape != "job")
+        # Batches waiting for a job slot: while one waits, nothing more is formed.
+        self._job_waiters = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._resolving: dict[str, asyncio.Task[None]] = {}
         # Woken when a job is submitted, so the poller reads it without waiting a round.
@@ -224,18 +227,23 @@ class BatchSender:
             # free slot and all but one be refused; and a slot reserved long before its
             # request left would be looked up by the poller as a submission in doubt.
             # The job slot before the budget's: the poller needs one to see a job end.
-            async with self._job_lock:
-                await self._job_slot()
-                granted = await self._granted(items)
-                if granted is None:
-                    return
-                batch, members, grant = granted
-                if not await self.ledger.reserve_job(batch.id, self.batch.max_jobs_in_flight):
-                    self.budget.release(grant, Feedback(Outcome.OTHER))
-                    await self._settle(batch, [(it, refused_whole(batch.id, Answer(
-                        Verdict.TRANSIENT, None, ""), "found the partner's job limit "
-                        "reached")) for it in members])
-                    return
+            self._job_waiters += 1
+            try:
+                async with self._job_lock:
+                    await self._job_slot()
+                    granted = await self._granted(items)
+                    if granted is None:
+                        return
+                    batch, members, grant = granted
+                    if not await self.ledger.reserve_job(batch.id,
+                                                         self.batch.max_jobs_in_flight):
+                        self.budget.release(grant, Feedback(Outcome.OTHER))
+                        await self._settle(batch, [(it, refused_whole(batch.id, Answer(
+                            Verdict.TRANSIENT, None, ""), "found the partner's job limit "
+                            "reached")) for it in members])
+                        return
+            finally:
+                self._job_waiters -= 1
         else:
             granted = await self._granted(items)
             if granted is None:
@@ -516,6 +524,17 @@ class BatchSender:
         if resolve:
             for it, r in rulings:
                 it.resolve(AGAIN if r.again else None)
+
+    async def pump_jobs(self) -> None:
+        """A job partner's partial batches: while a job slot is free and no batch waits
+        for one, the oldest leaves (a batch waits for a slot anyway; formed at once it
+        would carry only what came in a linger). Never returns."""
+        while True:
+            await asyncio.sleep(self.batch.linger_seconds)  # a cadence, not a wait for state
+            if self._job_waiters or not self.chunker.pending:
+                continue
+            if len(await self.ledger.open_jobs()) < self.batch.max_jobs_in_flight:
+                self.chunker.flush_oldest()
 
     async def stop(self) -> None:
         """Shutdown: nothing more is formed; batches in the air are the pool's grace."""

@@ -83,6 +83,7 @@ class ConsumerPool:
                                        self.settler, self.rules, self._phases, owned.busy_s)
         self._fetching: asyncio.Task[None] | None = None
         self._extending: asyncio.Task[None] | None = None
+        self._pumping: asyncio.Task[None] | None = None
 
     @property
     def workers(self) -> int:
@@ -125,6 +126,9 @@ class ConsumerPool:
                 if self.caps.extend:
                     self._extending = tg.create_task(self.fetcher.extend_leases(),
                                                      name="consumer-leases")
+                if self.batches is not None and self.config.batch.shape == "job":
+                    self._pumping = tg.create_task(self.batches.pump_jobs(),
+                                                   name="consumer-jobs")
                 for i in range(self.workers):
                     task = tg.create_task(self._worker(), name=f"consumer-{i}")
                     self._phases[task] = Phase.IDLE
@@ -140,7 +144,7 @@ class ConsumerPool:
         workers = len(self._phases)
         if self.batches is not None:
             self.batches.chunker.drop_all()
-        for helper in (self._fetching, self._extending):
+        for helper in (self._fetching, self._extending, self._pumping):
             if helper is not None:
                 helper.cancel("shutdown")
         for task, phase in self._phases.items():

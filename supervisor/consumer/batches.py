@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from supervisor import metrics
 from supervisor.batch.chunker import Chunker
@@ -67,7 +67,6 @@ class _Sent:
     batch: Batch
     items: list[Item]
     answer: BatchAnswer
-    resends: int = field(default=0)
 
 
 class BatchSender:
@@ -184,7 +183,7 @@ class BatchSender:
                                     ruling) for m in members if m.operation_id in ops])
 
     async def _resend(self, batch: Batch) -> None:
-        members = [m for m in await self.ledger.batch_members(batch.id)]
+        members = await self.ledger.batch_members(batch.id)
         ops = await self.ledger.get_operations([m.operation_id for m in members])
         items = [Item(ops[m.operation_id], None, attempt_id=m.attempt_id) for m in members]
         log.info("batch %s: sent again under its key after its outcome was lost", batch.id,
@@ -395,7 +394,7 @@ class BatchSender:
                 # new batch (a new key could not be deduplicated).
                 await asyncio.sleep(backoff(self.config.partner, tries))
                 continue
-            await self._conclude(_Sent(batch, items, answer, tries))
+            await self._conclude(_Sent(batch, items, answer))
             return
 
     # -- what the answer makes of each item --------------------------------------------
@@ -423,6 +422,11 @@ class BatchSender:
                     Verdict.TERMINAL, whole.status, f"batch {batch.id}: the batch endpoint "
                     f"answered {whole.detail}; nothing deleted"), it.op.attempts + 1)
                     for it in items]
+        elif self.batch.shape == "job" and answer.problem is not None:
+            # A job submitted with no reference we can read: the poller finds it by our
+            # tag (or probes), nothing is resent meanwhile.
+            await self._handed_to_poller(batch, items, None, answer.problem)
+            return
         elif answer.problem is not None or self.batch.shape == "per_item":
             if answer.strays:
                 log.warning("batch %s: %d results for ids not sent, ignored", batch.id,
@@ -430,11 +434,6 @@ class BatchSender:
             rulings = [rule_result(self.config.partner, batch.id, answer.items,
                                    it.op.recipient_id, whole, it.op.attempts + 1)
                        for it in items]
-            if self.batch.shape == "job" and answer.problem is not None:
-                # A job submitted with no reference we can read: the poller finds it by
-                # our tag (or probes), nothing is resent meanwhile.
-                await self._handed_to_poller(batch, items, None, answer.problem)
-                return
         elif self.batch.shape == "job":
             await self._handed_to_poller(batch, items, answer.job_ref, None)
             return

@@ -22,7 +22,7 @@ async def test_migrate_applies_each_version_once_and_the_schema_works(pg: Any, e
     code, out, err = await e2e.cli("migrate", "--config", str(config), env=env)
     assert code == 0, err
     assert (f"schema {pg.schema}: applied audit v1, applied budget v1, applied ledger v1, "
-            "applied ledger v2, applied ledger v3") in out, out
+            "applied ledger v2, applied ledger v3, applied ledger v4") in out, out
     code, out, err = await e2e.cli("migrate", "--config", str(config), env=env)
     assert code == 0, err
     assert f"schema {pg.schema}: up to date" in out, out
@@ -32,7 +32,7 @@ async def test_migrate_applies_each_version_once_and_the_schema_works(pg: Any, e
             f'SELECT component, version FROM "{pg.schema}".schema_versions'))
     finally:
         await conn.close()
-    assert versions == {"ledger": 3, "budget": 1, "audit": 1}
+    assert versions == {"ledger": 4, "budget": 1, "audit": 1}
 
 
 async def test_a_missing_dsn_or_a_mismatched_queue_is_named(e2e: E2E, tmp_path: Any) -> None:

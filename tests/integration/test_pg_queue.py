@@ -194,7 +194,7 @@ async def test_a_schema_of_the_previous_release_gains_the_source_kind(pg: Any) -
     await old.close()
     new = PgDatabase(pg.dsn, pg.schema, "new-release")
     try:
-        assert await new.open(pg_sql.MIGRATIONS) == ["audit v1", "ledger v3"]
+        assert await new.open(pg_sql.MIGRATIONS) == ["audit v1", "ledger v3", "ledger v4"]
         ledger = PostgresLedger(new, owns_queue=True)
         [run] = await ledger.list_runs(10)
         assert (run.id, run.source) == ("run_1", {"kind": "http"})
@@ -211,7 +211,7 @@ async def test_replicas_starting_together_migrate_once(pg: Any) -> None:
     async with replicas(pg, "replica-a", "replica-b", "replica-c") as reps:
         assert sorted(len(r.applied) for r in reps) == [0, 0, len(pg_sql.MIGRATIONS)]
         assert [r.applied for r in reps if r.applied] == [["audit v1", "ledger v1",
-                                                           "ledger v2", "ledger v3"]]
+                                                           "ledger v2", "ledger v3", "ledger v4"]]
         again = PgDatabase(pg.dsn, pg.schema, "replica-d")
         try:
             assert await again.open(pg_sql.MIGRATIONS) == []  # a restart applies nothing

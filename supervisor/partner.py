@@ -20,7 +20,7 @@ import aiohttp
 from yarl import URL
 
 from supervisor import metrics
-from supervisor.budget.base import Policy
+from supervisor.budget.base import Feedback, Outcome, Policy, RateBudget
 from supervisor.config import PartnerConfig
 from supervisor.httputil import Ignored, parse_retry_after, report_ignored
 from supervisor.timestamps import epoch_seconds
@@ -202,6 +202,31 @@ def recipient_path(template: str, recipient_id: str) -> str:
     return template.replace("{recipient_id}", encoded)
 
 
+def no_answer(exc: BaseException, started: float) -> Answer:
+    """What a request that got no answer (``exc``) may have done: a connection never
+    made cannot have acted (transient); a timeout, reset or garbled answer after the
+    request left cannot tell (ambiguous). ``started``: its monotonic start."""
+    elapsed = time.monotonic() - started
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return Answer(Verdict.TRANSIENT, None, f"connect failed: {type(exc).__name__}",
+                      elapsed_s=elapsed)
+    return Answer(Verdict.AMBIGUOUS, None, f"no answer: {type(exc).__name__}",
+                  elapsed_s=elapsed)
+
+
+async def paced_probe(budget: RateBudget, partner: PartnerClient,
+                      recipient_id: str) -> tuple[Presence, str]:
+    """A probe on the budget deletions spend (a partner may count every request), its
+    finding counted. Its answer is no rate signal: a 404 here means gone, not paced."""
+    grant = await budget.acquire()
+    try:
+        presence, detail = await partner.probe(recipient_id)
+    finally:
+        budget.release(grant, Feedback(Outcome.OTHER))
+    metrics.PROBES.labels(presence.value).inc()
+    return presence, detail
+
+
 class IgnoredHeaders:
     """Counts every header value the parsers ignore, and says so in the log at most once
     per header every ``LOG_EVERY_S`` (a partner sending garbage on every answer must not
@@ -300,15 +325,8 @@ class PartnerClient:
                     policies = parse_policies(h, now, maximum, self._ignored)
                 return Answer(verdict, resp.status, detail, retry_after,
                               time.monotonic() - started, policies)
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            # Never connected: the partner cannot have acted.
-            return Answer(Verdict.TRANSIENT, None, f"connect failed: {type(exc).__name__}",
-                          elapsed_s=time.monotonic() - started)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            # Sent, or possibly sent: a timeout, reset or garbled answer after the request
-            # left cannot tell us whether the partner acted.
-            return Answer(Verdict.AMBIGUOUS, None, f"no answer: {type(exc).__name__}",
-                          elapsed_s=time.monotonic() - started)
+            return no_answer(exc, started)
 
     async def probe(self, recipient_id: str) -> tuple[Presence, str]:
         """Ask whether the recipient still exists (reconciliation evidence)."""

@@ -18,11 +18,11 @@ import logging
 import time
 
 from supervisor import metrics
-from supervisor.budget.base import Feedback, Outcome, RateBudget
+from supervisor.budget.base import RateBudget
 from supervisor.config import PartnerConfig
 from supervisor.ledger.base import Ledger
 from supervisor.model import Message, Operation
-from supervisor.partner import PartnerClient, Presence
+from supervisor.partner import PartnerClient, Presence, paced_probe
 from supervisor.queue.base import Queue
 from supervisor.queue.courier import Courier
 from supervisor.states import OpState
@@ -73,14 +73,7 @@ class Reconciler:
                         await self.wakeup.wait()
 
     async def probe(self, op: Operation) -> Presence:
-        # Probes spend the same budget as deletions: a partner may count every request.
-        grant = await self.budget.acquire()
-        try:
-            presence, detail = await self.partner.probe(op.recipient_id)
-        finally:
-            # A probe's answer is no rate signal: a 404 here means "deleted", not "paced".
-            self.budget.release(grant, Feedback(Outcome.OTHER))
-        metrics.PROBES.labels(presence.value).inc()
+        presence, detail = await paced_probe(self.budget, self.partner, op.recipient_id)
         if presence is Presence.ABSENT:
             await self.ledger.record_evidence(
                 op.id, "probe", OpState.DELETED,

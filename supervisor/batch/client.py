@@ -20,7 +20,13 @@ import orjson
 from supervisor.batchsettings import BatchConfig
 from supervisor.budget.base import Policy
 from supervisor.httputil import parse_retry_after
-from supervisor.partner import Answer, PartnerClient, Verdict, classify, parse_policies
+from supervisor.partner import (
+    Answer,
+    PartnerClient,
+    classify,
+    no_answer,
+    parse_policies,
+)
 
 # A per-item answer for 1,000 ids is ~50 KB; a job's results for 5,000 ids ~250 KB.
 MAX_BATCH_BODY_BYTES = 8 * 1024 * 1024
@@ -125,12 +131,8 @@ class BatchClient:
                     policies = parse_policies(h, now, maximum, self.partner.ignored)
                 return _Read(resp.status, data, retry_after, policies,
                              time.monotonic() - started, dict(h))
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            return Answer(Verdict.TRANSIENT, None, f"connect failed: {type(exc).__name__}",
-                          elapsed_s=time.monotonic() - started)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            return Answer(Verdict.AMBIGUOUS, None, f"no answer: {type(exc).__name__}",
-                          elapsed_s=time.monotonic() - started)
+            return no_answer(exc, started)
 
     @staticmethod
     def _answer(read: _Read, what: str) -> Answer:

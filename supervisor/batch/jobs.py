@@ -24,7 +24,7 @@ from supervisor.config import Config
 from supervisor.ledger.base import Ledger
 from supervisor.model import Batch, BatchMember, Disposition, Message, Operation, Settlement
 from supervisor.outcomes import feedback
-from supervisor.partner import PartnerClient
+from supervisor.partner import PartnerClient, paced_probe
 from supervisor.queue.courier import Courier
 from supervisor.states import SETTLED, OpState
 
@@ -142,12 +142,7 @@ class JobPoller:
         for m in members:
             if m.operation_id not in ops:
                 continue
-            grant = await self.budget.acquire()
-            try:
-                presence, detail = await self.partner.probe(m.recipient_id)
-            finally:
-                self.budget.release(grant, Feedback(Outcome.OTHER))
-            metrics.PROBES.labels(presence.value).inc()
+            presence, detail = await paced_probe(self.budget, self.partner, m.recipient_id)
             rulings.append((m, rule_probe(self.config.partner, job.id, presence,
                                           f"{why}; {detail}", ops[m.operation_id].attempts,
                                           resend_if_present=resend_if_present)))

@@ -34,7 +34,7 @@ from supervisor.ledger.base import Ledger
 from supervisor.ledger.ids import new_batch_id
 from supervisor.model import Batch, Delivery, Disposition, Operation, Received, Settlement
 from supervisor.outcomes import backoff, feedback
-from supervisor.partner import Answer, PartnerClient, Verdict
+from supervisor.partner import Answer, PartnerClient, Verdict, paced_probe
 from supervisor.queue.courier import Courier
 from supervisor.states import SETTLED, OpState
 
@@ -481,12 +481,7 @@ class BatchSender:
             await asyncio.sleep(self.batch.probe_delay_seconds)
 
         async def probe(it: Item) -> Ruling:
-            grant = await self.budget.acquire()
-            try:
-                presence, detail = await self.partner.probe(it.op.recipient_id)
-            finally:
-                self.budget.release(grant, Feedback(Outcome.OTHER))
-            metrics.PROBES.labels(presence.value).inc()
+            presence, detail = await paced_probe(self.budget, self.partner, it.op.recipient_id)
             return rule_probe(p, batch.id, presence, detail, it.op.attempts + 1,
                               resend_if_present=True)
 

@@ -10,7 +10,8 @@ from supervisor.batch.chunker import Chunker, id_bytes
 from supervisor.batchsettings import BatchConfig
 
 
-def _chunker(**kw: object) -> tuple[Chunker[str], list[list[str]], asyncio.Event]:
+def _chunker(linger: bool = True,
+             **kw: object) -> tuple[Chunker[str], list[list[str]], asyncio.Event]:
     formed: list[list[str]] = []
     left = asyncio.Event()
 
@@ -20,7 +21,7 @@ def _chunker(**kw: object) -> tuple[Chunker[str], list[list[str]], asyncio.Event
 
     cfg = BatchConfig(**{"shape": "per_item", "max_items": 3, "linger_seconds": 3600.0,
                          **kw})  # type: ignore[arg-type]
-    return Chunker(cfg, flush, lambda rid: rid), formed, left
+    return Chunker(cfg, flush, lambda rid: rid, linger=linger), formed, left
 
 
 async def test_a_full_batch_leaves_at_once_and_the_rest_waits() -> None:
@@ -85,10 +86,25 @@ async def test_k_learns_the_cap_from_413_and_halves_on_429_only_per_item() -> No
 
 
 async def test_dropped_batches_are_never_sent() -> None:
-    chunker, formed, _ = _chunker(linger_seconds=0.01)
+    chunker, formed, left = _chunker(linger_seconds=0.01)
     chunker.add("a")
     chunker.drop_all()
-    await asyncio.sleep(0.05)  # past the linger: nothing may leave
-    assert formed == []
     assert chunker.pending == 0
+    # A batch begun after the drop leaves at its linger, later than the dropped one's
+    # would have: by then the dropped one has had every chance to leave, and did not.
+    chunker.add("b")
+    await asyncio.wait_for(left.wait(), 5)
+    assert formed == [["b"]]
 
+
+async def test_a_job_partners_partial_batch_waits_to_be_sent_oldest_first() -> None:
+    chunker, formed, _ = _chunker(linger=False, partition_pattern=r"^(\w+):",
+                                  linger_seconds=0.0)
+    for rid in ["x:1", "y:2", "x:3"]:
+        chunker.add(rid)
+    assert formed == []
+    assert chunker.flush_oldest()
+    assert formed == [["x:1", "x:3"]]
+    assert chunker.flush_oldest()
+    assert not chunker.flush_oldest()
+    assert formed[1] == ["y:2"]

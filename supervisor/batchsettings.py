@@ -10,7 +10,7 @@ from typing import Literal
 from supervisor.configtypes import _positive
 
 Shape = Literal["", "per_item", "accepted", "job"]
-Cost = Literal["requests", "items"]
+Cost = Literal["requests", "items", "both"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +38,12 @@ class BatchConfig:
     partition_pattern: str = ""
     # What the partner's limit counts: every request ("requests": a batch costs one
     # token of [limits]) or every id ("items": [limits].rate_per_second is ids per
-    # second, and a batch of k costs k).
+    # second, and a batch of k costs k), or both as two limits ("both": a batch takes one
+    # token of [limits] and k of a second budget at ``items_per_second``; a 429 adapts
+    # the one it implicates: supervisor/budget/pair.py).
     cost: Cost = "requests"
+    # "both" only: the partner's limit on ids per second.
+    items_per_second: float = 0.0
     # The answer: the array of per-id results, and each result's fields. A result's
     # verdict is an HTTP status code (Graph, Box, Google's parts): 2xx deleted, 404/410
     # already absent, 429 throttled, 408/409/5xx retryable, any other permanent.
@@ -95,6 +99,12 @@ class BatchConfig:
                 re.compile(self.partition_pattern)
             except re.error as exc:
                 out.append(f"batch.partition_pattern is not a regular expression: {exc}")
+        if self.cost == "both" and not self.items_per_second > 0:
+            out.append("batch.items_per_second must be > 0 when batch.cost = 'both', "
+                       f"got {self.items_per_second}")
+        elif self.cost != "both" and self.items_per_second:
+            out.append(f"batch.items_per_second is read only when batch.cost = 'both' "
+                       f"(batch.cost = {self.cost!r}); remove it or set batch.cost")
         if self.poll_max_seconds < self.poll_initial_seconds:
             out.append("batch.poll_max_seconds must be >= batch.poll_initial_seconds")
         return out

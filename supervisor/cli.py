@@ -116,11 +116,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     shape: Shape | None = None if args.batch_shape is None else \
         "" if args.batch_shape == "single" else args.batch_shape
     batch = plan.batching(cfg.batch, shape=shape, size=args.batch_size, cost=args.batch_cost,
-                          job_s=args.job_seconds)
+                          job_s=args.job_seconds, items_per_second=args.items_rate)
     # A flag the arithmetic would silently ignore is a usage error, named.
-    if batch is None and (args.batch_size, args.batch_cost, args.job_seconds) != (None,) * 3:
-        print("error: --batch-size, --batch-cost and --job-seconds need a batch shape "
-              "(--batch-shape, or batch.shape in the configuration)", file=sys.stderr)
+    if batch is None and (args.batch_size, args.batch_cost, args.job_seconds,
+                          args.items_rate) != (None,) * 4:
+        print("error: --batch-size, --batch-cost, --items-rate and --job-seconds need a batch "
+              "shape (--batch-shape, or batch.shape in the configuration)", file=sys.stderr)
+        return EXIT_USAGE
+    if batch is not None and (batch.cost == "both") != (batch.items_per_second > 0):
+        print("error: --batch-cost both needs the ids' limit (--items-rate, or "
+              "batch.items_per_second), and --items-rate needs --batch-cost both",
+              file=sys.stderr)
         return EXIT_USAGE
     if args.job_seconds is not None and batch is not None and batch.shape != "job":
         print(f"error: --job-seconds is for batch shape 'job', not {batch.shape!r}",
@@ -431,8 +437,12 @@ def _service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         "(default: batch.shape; docs/batch.md)")
     s.add_argument("--batch-size", type=_positive_number(int), metavar="K",
                    help="ids per batch request (default: batch.max_items)")
-    s.add_argument("--batch-cost", choices=["requests", "items"],
-                   help="what the partner's limit counts: requests, or ids (default: batch.cost)")
+    s.add_argument("--batch-cost", choices=["requests", "items", "both"],
+                   help="what the partner's limit counts: requests, ids, or both as two limits "
+                        "(default: batch.cost)")
+    s.add_argument("--items-rate", type=_positive_number(float), metavar="I",
+                   help="with --batch-cost both: the partner's limit on ids per second "
+                        "(default: batch.items_per_second)")
     s.add_argument("--job-seconds", type=_positive_number(float), metavar="D",
                    help="how long one of a job partner's jobs takes (default: unknown)")
     s.add_argument("--json", action="store_true", help="one JSON object instead of text")

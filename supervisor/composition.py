@@ -26,13 +26,15 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from supervisor import metrics
 from supervisor.apistate import ApiState
 from supervisor.batch.jobs import JobPoller
 from supervisor.budget.base import RateBudget
 from supervisor.budget.local import LocalBudget
+from supervisor.budget.pair import TwoLimits, item_limits
+from supervisor.budget.settings import LimitsConfig
 from supervisor.config import Config
 from supervisor.consumer import ConsumerPool
 from supervisor.errors import StartupError, StorageError
@@ -217,9 +219,12 @@ async def _open_sqlite(c: Config, r: Resources) -> Storage:
         ledger = SqliteLedger(db, owns_queue=queue.capabilities.transactional_ack)
         # Under the data-dir lock every in-flight guard's owner is a previous life.
         await r.open("release-dead-owners", ledger.release_dead_owners)
-        budget = LocalBudget(c.limits, key=c.partner.base_url, store=ledger,
-                             timeout_s=c.partner.request_timeout_seconds,
-                             max_pause_s=c.partner.max_retry_after_seconds)
+        def local(limits: LimitsConfig, key: str) -> LocalBudget:
+            return LocalBudget(limits, key=key, store=ledger,
+                               timeout_s=c.partner.request_timeout_seconds,
+                               max_pause_s=c.partner.max_retry_after_seconds)
+
+        budget = _two_limits(c, local)
         await r.open("budget", budget.start)
     except StorageError as exc:  # the ledger opened but its first reads or writes fail
         raise StartupError(f"ledger {c.ledger_path} cannot be used: {exc}") from exc
@@ -229,6 +234,19 @@ async def _open_sqlite(c: Config, r: Resources) -> Storage:
                    released=released, storage_healthy=lambda: db.healthy,
                    describe=f"ledger {c.ledger_path}",
                    components=[Component("ledger-writer", db.watch, Drain.LAST)])
+
+
+B = TypeVar("B", bound=RateBudget)
+
+
+def _two_limits(c: Config, make: Callable[[LimitsConfig, str], B]) -> B | TwoLimits:
+    """The partner's budget: ``[limits]``, and under ``batch.cost = "both"`` a second one
+    on ids beside it (its memory and shared row keyed apart)."""
+    requests = make(c.limits, c.partner.base_url)
+    if c.batch.cost != "both":
+        return requests
+    return TwoLimits(requests, make(item_limits(c.limits, c.batch.items_per_second),
+                                    f"{c.partner.base_url}#items"))
 
 
 async def _open_postgres(c: Config, r: Resources) -> Storage:
@@ -254,11 +272,14 @@ async def _open_postgres(c: Config, r: Resources) -> Storage:
         ledger = PostgresLedger(db, owns_queue=queue.capabilities.transactional_ack,
                                 fence_s=c.ledger.dead_after_seconds / 2,
                                 dead_after_s=c.ledger.dead_after_seconds)
-        budget = PostgresBudget(c.limits, key=c.partner.base_url, pool=db.pool, dsn=dsn,
-                                schema=c.ledger.schema,
-                                timeout_s=c.partner.request_timeout_seconds,
-                                max_pause_s=c.partner.max_retry_after_seconds,
-                                db_clock=db.clock)
+        def shared(limits: LimitsConfig, key: str) -> PostgresBudget:
+            return PostgresBudget(limits, key=key, pool=db.pool, dsn=dsn,
+                                  schema=c.ledger.schema,
+                                  timeout_s=c.partner.request_timeout_seconds,
+                                  max_pause_s=c.partner.max_retry_after_seconds,
+                                  db_clock=db.clock)
+
+        budget = _two_limits(c, shared)
         await r.open("budget", budget.start, budget.close)
     except (StorageError, OSError) as exc:
         raise StartupError(f"cannot start on PostgreSQL: {exc}") from exc

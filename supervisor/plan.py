@@ -61,7 +61,7 @@ class Batching:
 
     shape: Shape  # "per_item", "accepted" or "job" (no Batching at all: one DELETE each)
     size: int  # K, batch.max_items
-    cost: Cost  # what R counts: "requests", or "items" (ids)
+    cost: Cost  # what R counts: "requests", or "items" (ids); "both": R and items_per_second
     # An accepted batch says nothing per id: each id is probed, unless
     # batch.settle_accepted_unprobed_risking_silent_misses.
     probe_accepted: bool = True
@@ -69,10 +69,12 @@ class Batching:
     job_s: float | None = None  # how long one job takes at the partner; None: unknown
     poll_initial_s: float = 0.5
     poll_max_s: float = 30.0
+    items_per_second: float = 0.0  # "both": the partner's limit on ids
 
 
 def batching(cfg: BatchConfig, shape: Shape | None = None, size: int | None = None,
-             cost: Cost | None = None, job_s: float | None = None) -> Batching | None:
+             cost: Cost | None = None, job_s: float | None = None,
+             items_per_second: float | None = None) -> Batching | None:
     """[batch] with the command's overrides; None for one DELETE per recipient."""
     shape = cfg.shape if shape is None else shape
     if shape == "":
@@ -81,7 +83,9 @@ def batching(cfg: BatchConfig, shape: Shape | None = None, size: int | None = No
                     cost=cfg.cost if cost is None else cost,
                     probe_accepted=not cfg.settle_accepted_unprobed_risking_silent_misses,
                     max_jobs_in_flight=cfg.max_jobs_in_flight, job_s=job_s,
-                    poll_initial_s=cfg.poll_initial_seconds, poll_max_s=cfg.poll_max_seconds)
+                    poll_initial_s=cfg.poll_initial_seconds, poll_max_s=cfg.poll_max_seconds,
+                    items_per_second=cfg.items_per_second if items_per_second is None
+                    else items_per_second)
 
 
 def polls_per_job(job_s: float, initial_s: float, max_s: float) -> int:
@@ -154,8 +158,17 @@ class Plan:
         return self.requests
 
     @property
+    def items_s(self) -> float:
+        """Under two limits, the least the ids' limit allows: every request takes at
+        least one id's token (a probe, a poll) and a batch one per id."""
+        b = self.batch
+        if b is None or b.cost != "both" or b.items_per_second <= 0:
+            return 0.0
+        return (self.candidates + self.probes + (self.polls or 0)) / b.items_per_second
+
+    @property
     def ideal_s(self) -> float:
-        return self.units / self.rate
+        return max(self.units / self.rate, self.items_s)
 
     def quota_s(self, limit: int, period_s: float) -> float:
         """The least time ``limit`` units per ``period_s`` allow the drain in: every full
@@ -271,6 +284,12 @@ def _least_lines(p: Plan) -> list[str]:
     lines.append(f"{formula:<16} = {duration(p.ideal_s)} ({_seconds(p.ideal_s)} s): the least "
                  f"{least}")
     single_s = p.candidates / p.rate
+    if b.cost == "both":
+        binds = "the ids' limit binds" if p.items_s > p.requests / p.rate \
+            else "the requests' limit binds"
+        lines.append(f"two limits       {b.items_per_second:g} ids/s too (batch.items_per_second): "
+                     f"(N + probes + polls) / {b.items_per_second:g} = {duration(p.items_s)}; "
+                     f"{binds}")
     if b.cost == "items":
         lines.append(f"per id           R is ids per second: N / R ({duration(single_s)}) whatever "
                      f"K, batches do not speed it up; they send {p.batches:,} requests instead of "

@@ -2,10 +2,10 @@
 next would pass the byte cap, or a short linger after the first, whichever comes first
 (the size-or-timeout rule of Oban's chunks, BullMQ's batches and Inngest's).
 
-K is not fixed. A 413 teaches the partner's real cap (kept). Under a per-item cost a
-whole batch refused with 429 halves K, so the next refusal costs fewer ids, and each
-batch answered grows it back by a quarter; under a per-request cost K stays at its
-maximum, since a request is what the limit counts."""
+K is not fixed. A 413 teaches the partner's real cap (kept). Under a per-item cost (or
+when the ids' limit of two refused it) a whole batch refused with 429 halves K, so the
+next refusal costs fewer ids, and each batch answered grows it back by a quarter; under
+a per-request cost K stays at its maximum, since a request is what the limit counts."""
 
 from __future__ import annotations
 
@@ -122,9 +122,9 @@ class Chunker(Generic[T]):
         self.cap = max(1, min(self.cap, size // 2))
         self.k = min(self.k, self.cap)
 
-    def throttled(self) -> None:
-        """A whole batch was refused with 429."""
-        if self.config.cost == "items":
+    def throttled(self, ids: bool) -> None:
+        """A whole batch was refused with 429; ``ids``: by a limit that counts ids."""
+        if ids:
             self.k = max(1, self.k // 2)
 
     def answered(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from supervisor.budget.policy import BudgetState
 
@@ -39,6 +39,9 @@ class Feedback:
     latency_s: float = 0.0
     retry_after_s: float | None = None
     policies: tuple[Policy, ...] = ()
+    # The limit a 429 names, where a partner counts both requests and ids
+    # (supervisor/budget/pair.py): "items" for an item throttled on its own; "" unsaid.
+    scope: Literal["", "requests", "items"] = ""
 
 
 @dataclass(frozen=True, slots=True)

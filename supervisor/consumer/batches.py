@@ -25,6 +25,7 @@ from supervisor.batch.client import BatchAnswer, BatchClient
 from supervisor.batch.verdicts import Ruling, refused_whole, rule, rule_probe, rule_result
 from supervisor.batchsettings import BatchConfig
 from supervisor.budget.base import Admission, Feedback, Grant, Outcome, RateBudget
+from supervisor.budget.pair import TwoLimits
 from supervisor.config import Config
 from supervisor.consumer.decide import Action, Do, Rules, busy, decide
 from supervisor.consumer.executor import Phase, Phases
@@ -67,6 +68,8 @@ class _Sent:
     batch: Batch
     items: list[Item]
     answer: BatchAnswer
+    # A whole batch's 429: whether the limit that refused it counts ids.
+    ids_refused: bool = False
 
 
 class BatchSender:
@@ -262,8 +265,7 @@ class BatchSender:
             if opened is None:
                 return None
             batch, members = opened
-            cost = len(members) if self.batch.cost == "items" else 1
-            grant = await self.budget.grant(admission, cost)
+            grant = await self.budget.grant(admission, self._cost(len(members)))
         finally:
             self.budget.withdraw(admission)  # nothing once grant has spent it
         if grant is None:
@@ -343,9 +345,16 @@ class BatchSender:
         (and slack), plus the wait for its tokens behind every other batch in the air
         (a per-item cost takes k tokens each), so that no other delivery takes an
         operation over while its batch waits to leave."""
-        cost = k if self.batch.cost == "items" else 1
         rate = max(self.budget.snapshot().rate, self.config.limits.floor_per_second)
-        return self._busy_s + self.config.limits.concurrency * cost / rate
+        per_batch = self._cost(k) / rate if self.batch.cost != "both" else 1 / rate
+        if isinstance(self.budget, TwoLimits):
+            per_batch = max(per_batch, k / max(self.budget.items.snapshot().rate, 1e-3))
+        return self._busy_s + self.config.limits.concurrency * per_batch
+
+    def _cost(self, k: int) -> int:
+        """What a batch of ``k`` asks of the budget: one token where the limit counts
+        requests; k where it counts ids (under "both", one request and k ids)."""
+        return 1 if self.batch.cost == "requests" else k
 
     async def _begin(self, it: Item) -> Action | None:
         assert it.delivery is not None
@@ -365,7 +374,7 @@ class BatchSender:
     async def _send(self, batch: Batch, items: list[Item],
                     grant_taken: Grant | None = None) -> None:
         ids = [it.op.recipient_id for it in items]
-        cost = len(items) if self.batch.cost == "items" else 1
+        cost = self._cost(len(items))
         tries = 0
         while True:
             grant = grant_taken if grant_taken is not None and tries == 0 \
@@ -377,12 +386,16 @@ class BatchSender:
             # An item throttled on its own (Graph's inner 429) implicates the limit that
             # counts items: the budget's only when it counts items. Under a per-request
             # cost the request was within its limit; the item is just sent again.
-            throttled_items = self.batch.cost == "items" and answer.items is not None \
+            throttled_items = self.batch.cost != "requests" and answer.items is not None \
                 and any(s == 429 for s in answer.items.values())
             fb = feedback(whole)
             if throttled_items and fb.outcome is Outcome.OK:
                 fb = Feedback(Outcome.THROTTLED, whole.elapsed_s, whole.retry_after_s,
-                              whole.policies)
+                              whole.policies, scope="items")
+            # Which limit refused a whole batch: K shrinks only for the ids'.
+            ids_refused = whole.status == 429 and (self.batch.cost == "items" or (
+                isinstance(self.budget, TwoLimits)
+                and self.budget.implicated(cost) in ("items", "both")))
             self.budget.release(grant, fb)
             metrics.BATCH_REQUESTS.labels(self.batch.shape, _label(whole)).inc()
             metrics.PARTNER_RESPONSES.labels(str(whole.status) if whole.status
@@ -394,7 +407,7 @@ class BatchSender:
                 # new batch (a new key could not be deduplicated).
                 await asyncio.sleep(backoff(self.config.partner, tries))
                 continue
-            await self._conclude(_Sent(batch, items, answer))
+            await self._conclude(_Sent(batch, items, answer, ids_refused))
             return
 
     # -- what the answer makes of each item --------------------------------------------
@@ -403,7 +416,7 @@ class BatchSender:
         batch, items, answer = sent.batch, sent.items, sent.answer
         whole, n = answer.whole, len(items)
         if whole.status == 429 or (whole.status in (400, 413, 422) and n > 1):
-            await self._refused(batch, items, whole)
+            await self._refused(batch, items, whole, sent.ids_refused)
             return
         if self.batch.shape == "job" and whole.verdict is Verdict.AMBIGUOUS:
             # A submission whose answer was lost: the poller looks the job up by our tag
@@ -443,11 +456,12 @@ class BatchSender:
         await self._settle(batch, list(zip(items, rulings, strict=True)))
         await self.ledger.update_batch(batch.id, "closed", detail=whole.detail)
 
-    async def _refused(self, batch: Batch, items: list[Item], whole: Answer) -> None:
+    async def _refused(self, batch: Batch, items: list[Item], whole: Answer,
+                       ids_refused: bool) -> None:
         """Refused whole, nothing done: a 429 (the budget learnt it), a batch too large
         (halved), or one bad id failing the rest (split until it fails alone)."""
         if whole.status == 429:
-            self.chunker.throttled()
+            self.chunker.throttled(ids=ids_refused)
             why = "was refused with 429"
         elif whole.status == 413:
             self.chunker.refused_too_large(len(items))

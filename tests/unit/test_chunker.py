@@ -68,15 +68,15 @@ async def test_one_recipient_twice_goes_in_the_next_batch() -> None:
     assert formed[1] == ["a"]
 
 
-async def test_k_learns_the_cap_from_413_and_halves_on_429_only_per_item() -> None:
+async def test_k_learns_the_cap_from_413_and_halves_on_429_only_from_a_limit_on_ids() -> None:
     chunker, _, _ = _chunker(max_items=100)
     chunker.refused_too_large(100)
     assert (chunker.cap, chunker.k) == (50, 50)
-    chunker.throttled()  # per-request cost: a request is what the limit counts
+    chunker.throttled(ids=False)  # a limit on requests: fewer ids would not help
     assert chunker.k == 50
     items, _, _ = _chunker(max_items=100, cost="items")
-    items.throttled()
-    items.throttled()
+    items.throttled(ids=True)
+    items.throttled(ids=True)
     assert items.k == 25
     for _ in range(20):
         items.answered()

@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an id twice in one batch: acted on once, or the batch refused (400)")
     b.add_argument("--batch-cost", choices=BATCH_COSTS, default=d.batch_cost,
                    help="what the rate limiter charges a batch: one token, or one per id")
+    b.add_argument("--batch-items-per-second", type=float, default=d.batch_items_per_second,
+                   help="a second limit, on ids: a token bucket refilling this many ids a "
+                   "second, on top of the rate limit; 0: none")
+    b.add_argument("--batch-items-burst", type=float, default=d.batch_items_burst,
+                   help="ids the item limit holds at once; 0: --batch-max-items")
     return p
 
 
@@ -163,6 +168,8 @@ def config_from_args(
             batch_bad_id_pattern=args.batch_bad_id_pattern,
             batch_duplicates=args.batch_duplicates,
             batch_cost=args.batch_cost,
+            batch_items_per_second=args.batch_items_per_second,
+            batch_items_burst=args.batch_items_burst,
         )
     except ValueError as exc:
         parser.error(str(exc))

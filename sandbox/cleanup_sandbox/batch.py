@@ -367,12 +367,19 @@ async def _answer(request: web.Request, state: SandboxState, shape: BatchShape,
     config = state.config
     now = state.clock()
     cost = len(body.ids) if config.batch_cost == "item" else 1
+    # The item limit counts what is acted on: a repeated id is acted on once.
+    items = len(dict.fromkeys(body.ids))
+    # A 429 would be answered forever: a smaller batch is the only way through.
     if not state.holds(now, cost):
-        # A 429 would be answered forever: a smaller batch is the only way through.
         return _with_quota(state, json_response(
             {"error": "batch_over_rate_limit", "cost": cost,
              "message": "the batch costs more than the rate limit ever allows at once"}, 413))
-    refusal = state.admit(now, cost)
+    if not state.holds_items(now, items):
+        return _with_quota(state, json_response(
+            {"error": "batch_over_item_limit", "items": items,
+             "message": "the batch holds more ids than the item limit ever allows at once"},
+            413))
+    refusal = state.admit(now, cost, items)
     if refusal is not None:
         return _too_many_requests(state, now, refusal.retry_after, refusal.reason)
     refused = partner.refusal(body.ids)

@@ -142,6 +142,17 @@ class SandboxConfig:
     batch_duplicates: BatchDuplicates = "once"
     # What the limiter charges a batch: one token, or one per id.
     batch_cost: BatchCost = "request"
+    # A second limit, on ids, on top of the one batch_cost sets: a token bucket refilling
+    # this many ids a second (0: none), as partners charging both per request and per item
+    # do (Klaviyo's bulk jobs, Google's batch where every inner call counts). Its capacity
+    # is batch_items_burst ids, 0 meaning batch_max_items, so one full batch always fits.
+    batch_items_per_second: float = 0.0
+    batch_items_burst: float = 0.0
+
+    @property
+    def batch_items_capacity(self) -> float:
+        """The ids the item limit holds at once."""
+        return self.batch_items_burst or float(self.batch_max_items)
 
     def __post_init__(self) -> None:
         if isinstance(self.recipients, bool) or self.recipients < 0:
@@ -204,6 +215,14 @@ class SandboxConfig:
             object.__setattr__(self, "batch_cost", cost[:-1])
         elif cost not in BATCH_COSTS:
             raise ValueError(f"batch_cost must be one of {BATCH_COSTS}, got {cost!r}")
+        check_non_negative("batch_items_per_second", self.batch_items_per_second)
+        check_non_negative("batch_items_burst", self.batch_items_burst)
+        if 0.0 < self.batch_items_burst < 1.0:
+            # A bucket that can never hold a whole id would refuse every batch forever.
+            raise ValueError(
+                f"batch_items_burst must be 0 (batch_max_items) or >= 1, "
+                f"got {self.batch_items_burst!r}"
+            )
 
 
 @dataclass(slots=True)

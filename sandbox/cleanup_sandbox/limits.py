@@ -13,6 +13,7 @@ before any of them is charged: a request refused by one must cost nothing in the
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from typing import Protocol
 
 # Float drift in refill arithmetic must not turn "exactly one token" into a refusal.
 _EPSILON = 1e-9
+# Far enough ahead that every limiter and quota has refilled or rolled over.
+_FAR_FUTURE_S = 1e9
 
 SECOND = 1.0
 MINUTE = 60.0
@@ -367,3 +370,42 @@ def make_limiter(
     if window == "sliding":
         return SlidingLog(rate_per_second, now, window_seconds)
     return TokenBucket(rate_per_second, burst, now)
+
+
+class _Units(Protocol):
+    def peek(self, now: float) -> float | None: ...
+
+    def commit(self, now: float) -> None: ...
+
+
+def wait_for_units(limiter: _Units, now: float, units: int) -> float | None:
+    """Seconds until ``units`` could be taken together, None when now; takes nothing.
+
+    Limiters answer for one unit, so a copy takes them one by one, each as soon as it is
+    free: the last one's time is when all were free together, provided the limiter can
+    hold that many at all (:func:`can_hold`).
+    """
+    if units <= 1:
+        return limiter.peek(now)
+    trial = copy.deepcopy(limiter)
+    at = now
+    for _ in range(units):
+        wait = trial.peek(at)
+        if wait is not None:
+            at += wait
+        trial.commit(at)
+    return None if at == now else at - now
+
+
+def can_hold(limiter: _Units, now: float, units: int) -> bool:
+    """Whether ``units`` fit at once into the limiter refilled (its burst, limit or quota)."""
+    if units <= 1:
+        # A burst and every limit are at least 1 (config validates them): skip the copy.
+        return True
+    trial = copy.deepcopy(limiter)
+    later = now + _FAR_FUTURE_S
+    for _ in range(units):
+        if trial.peek(later) is not None:
+            return False
+        trial.commit(later)
+    return True

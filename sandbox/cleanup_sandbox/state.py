@@ -8,21 +8,24 @@ long-polls wake up without polling.
 from __future__ import annotations
 
 import asyncio
-import copy
 import enum
 import random
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Literal, Protocol
+from typing import Literal
 
 from cleanup_sandbox.config import SandboxConfig, Tunables, check_non_negative, check_probability, check_rate
-from cleanup_sandbox.limits import Limiter, Quota, ceil_seconds, make_limiter
+from cleanup_sandbox.limits import (
+    Limiter,
+    Quota,
+    can_hold,
+    ceil_seconds,
+    make_limiter,
+    wait_for_units,
+)
 from cleanup_sandbox.quotas import RATE_POLICY, Policy, QuotaSet
-
-# Far enough ahead that every limiter and quota has refilled or rolled over.
-_FAR_FUTURE_S = 1e9
 
 ExecutionResult = Literal["deleted", "absent"]
 AfterActFault = Literal["timeout", "reset"]
@@ -152,10 +155,13 @@ class IdempotencyStore:
         return entry is not None and entry.response is None
 
 
+RefusalReason = Literal["paused", "rate_limited", "quota_exceeded", "item_rate_limited"]
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     retry_after: float
-    reason: Literal["paused", "rate_limited", "quota_exceeded"]
+    reason: RefusalReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +207,9 @@ class Counters:
     batch_jobs_expired: int = 0
     batch_refused_bad_id: int = 0
     batch_refused_too_large: int = 0
+    # 429s announcing the item limit's wait (batch_items_per_second); rate_limited counts
+    # them too, as it counts every 429 of the limiters and quotas.
+    batch_item_rate_limited: int = 0
 
 
 def recipient_ids(count: int) -> list[str]:
@@ -233,45 +242,6 @@ def build_listing(config: SandboxConfig, ids: list[str]) -> list[JSONItem]:
         rng.choice(_GARBAGE_KINDS)() if position in garbage_at else {"id": next(real)}
         for position in range(total)
     ]
-
-
-class _Units(Protocol):
-    def peek(self, now: float) -> float | None: ...
-
-    def commit(self, now: float) -> None: ...
-
-
-def wait_for_units(limiter: _Units, now: float, units: int) -> float | None:
-    """Seconds until ``units`` could be taken together, None when now; takes nothing.
-
-    Limiters answer for one unit, so a copy takes them one by one, each as soon as it is
-    free: the last one's time is when all were free together, provided the limiter can
-    hold that many at all (:func:`can_hold`).
-    """
-    if units <= 1:
-        return limiter.peek(now)
-    trial = copy.deepcopy(limiter)
-    at = now
-    for _ in range(units):
-        wait = trial.peek(at)
-        if wait is not None:
-            at += wait
-        trial.commit(at)
-    return None if at == now else at - now
-
-
-def can_hold(limiter: _Units, now: float, units: int) -> bool:
-    """Whether ``units`` fit at once into the limiter refilled (its burst, limit or quota)."""
-    if units <= 1:
-        # A burst and every limit are at least 1 (config validates them): skip the copy.
-        return True
-    trial = copy.deepcopy(limiter)
-    later = now + _FAR_FUTURE_S
-    for _ in range(units):
-        if trial.peek(later) is not None:
-            return False
-        trial.commit(later)
-    return True
 
 
 class AnnouncedWaits:
@@ -316,6 +286,10 @@ class SandboxState:
             config.window, config.rate_per_second, config.burst, started, config.window_seconds
         )
         self._quotas = QuotaSet(config.quotas, started)
+        # Counts ids, not requests; a rate of 0 leaves it unlimited.
+        self._item_limiter: Limiter = make_limiter(
+            "bucket", config.batch_items_per_second, config.batch_items_capacity, started
+        )
         self._announced = AnnouncedWaits()
         self._pause_until: float | None = None
         self._executions_by_recipient: dict[str, int] = {}
@@ -393,10 +367,16 @@ class SandboxState:
         """Whether a request costing ``cost`` units could ever pass the limiter and quotas."""
         return can_hold(self._limiter, now, cost) and can_hold(self._quotas, now, cost)
 
-    def admit(self, now: float, cost: int = 1) -> Refusal | None:
-        """Storm first, then the limiter and every quota; a refusal consumes nothing.
+    def holds_items(self, now: float, items: int) -> bool:
+        """Whether a batch of ``items`` distinct ids could ever pass the item limit."""
+        return can_hold(self._item_limiter, now, items)
 
-        ``cost`` units are taken together or not at all (a batch charged per id).
+    def admit(self, now: float, cost: int = 1, items: int = 0) -> Refusal | None:
+        """Storm first, then the limiter, every quota and the item limit; a refusal
+        consumes nothing.
+
+        ``cost`` units of the limiter and quotas and ``items`` of the item limit are taken
+        together or not at all (a batch: one request or one per id, and its ids).
         """
         if self._announced.holds_at(now):
             self.counters.requests_during_announced_wait += 1
@@ -407,19 +387,27 @@ class SandboxState:
         else:
             # Ask everyone before charging anyone, so a request one of them refuses
             # leaves no trace in the others.
-            rate_wait = wait_for_units(self._limiter, now, cost)
-            quota_wait = wait_for_units(self._quotas, now, cost)
-            # The longest wait is the one to announce: retrying earlier meets another 429.
-            if quota_wait is not None and (rate_wait is None or quota_wait >= rate_wait):
-                self.counters.quota_limited += 1
-                refusal = Refusal(quota_wait, "quota_exceeded")
-            elif rate_wait is not None:
-                refusal = Refusal(rate_wait, "rate_limited")
-            else:
+            asked: tuple[tuple[float | None, RefusalReason], ...] = (
+                (wait_for_units(self._quotas, now, cost), "quota_exceeded"),
+                (wait_for_units(self._item_limiter, now, items) if items else None,
+                 "item_rate_limited"),
+                (wait_for_units(self._limiter, now, cost), "rate_limited"),
+            )
+            waits = [Refusal(wait, reason) for wait, reason in asked if wait is not None]
+            if not waits:
                 for _ in range(cost):
                     self._limiter.commit(now)
                     self._quotas.commit(now)
+                for _ in range(items):
+                    self._item_limiter.commit(now)
                 return None
+            # The longest wait is the one to announce: retrying earlier meets another 429.
+            # A tie names the first: a quota, then the item limit.
+            refusal = max(waits, key=lambda waiting: waiting.retry_after)
+            if refusal.reason == "quota_exceeded":
+                self.counters.quota_limited += 1
+            elif refusal.reason == "item_rate_limited":
+                self.counters.batch_item_rate_limited += 1
         self.counters.rate_limited += 1
         self._observe(now)
         self._notify()

@@ -45,6 +45,12 @@ LIMITER_CEILING = Gauge("cleanup_limiter_ceiling_per_second", "The configured ce
 LIMITER_LEARNT = Gauge(
     "cleanup_limiter_learnt_rate_per_second",
     "The partner's limit the limiter learnt from 429s (its plateau); 0 when none.")
+LIMITER_ITEMS_RATE = Gauge(
+    "cleanup_limiter_items_rate_per_second",
+    "Under batch.cost = \"both\": the ids' adaptive rate (0 without a limit on ids).")
+LIMITER_ITEMS_LEARNT = Gauge(
+    "cleanup_limiter_items_learnt_rate_per_second",
+    "Under batch.cost = \"both\": the partner's limit on ids learnt from 429s; 0 when none.")
 LIMITER_ANNOUNCED = Gauge(
     "cleanup_limiter_announced_rate_per_second",
     "The per-second limit the partner announces in its rate-limit headers; 0 when none.")

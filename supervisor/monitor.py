@@ -11,6 +11,7 @@ from collections.abc import Callable
 from supervisor import metrics
 from supervisor.budget import gauges
 from supervisor.budget.base import RateBudget
+from supervisor.budget.pair import TwoLimits
 from supervisor.errors import StorageError
 from supervisor.exclusions import count_by_reason
 from supervisor.ledger.base import Ledger
@@ -124,6 +125,8 @@ class Monitor:
     async def refresh(self) -> None:
         budget = self.budget.snapshot()
         gauges.publish_budget(budget)
+        if isinstance(self.budget, TwoLimits):
+            gauges.publish_items(self.budget.items.snapshot())
         self._count_paused(budget.state.paused_until)
         metrics.LEDGER_HEALTHY.set(1 if self.ledger.healthy else 0)
         self.readiness()

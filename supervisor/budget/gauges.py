@@ -31,3 +31,10 @@ def publish_budget(snapshot: Snapshot) -> None:
         metrics.LIMITER_QUOTA_RESET.remove(gone)
     _quota_series.intersection_update(names)
     _quota_series.update(names)
+
+
+def publish_items(snapshot: Snapshot) -> None:
+    """The ids' budget's rate and learnt limit, where a partner counts both
+    (supervisor/budget/pair.py)."""
+    metrics.LIMITER_ITEMS_RATE.set(snapshot.state.rate)
+    metrics.LIMITER_ITEMS_LEARNT.set(snapshot.state.w_max or 0.0)

@@ -184,3 +184,46 @@ async def test_a_per_item_cost_is_paced_in_ids(e2e: E2E) -> None:
     assert stats["rate_limited"] <= 2, stats
     assert stats["deleted"] == run["counts"]["deleted"], stats
     assert stats["duplicates"] == 0, stats
+
+
+async def test_two_limits_the_ids_limit_learns_from_the_429s_it_caused(e2e: E2E) -> None:
+    # The partner counts requests (40 a second) and ids (100 a second); the service is
+    # told 400 ids a second, four times too many. At 50 ids a batch the ids' limit binds
+    # (400 / 50 = 8 batches a second, under 40): its 429s, and the items throttled on
+    # their own, are the ids' budget's to learn from; the requests' budget learns nothing.
+    sandbox = await e2e.sandbox("--recipients", N, "--rate", 40, "--burst", 2,
+                                "--batch", "per_item", "--batch-items-per-second", 100,
+                                "--batch-item-throttle-share", 0.02)
+    svc = _service(e2e, sandbox, "per_item", rate=40.0, cost="both", items_per_second=400.0)
+    run = await _drain(svc)
+    stats = await sandbox.stats()
+    assert run["counts"]["deleted"] + run["counts"]["already_absent"] == N, run
+    assert stats["deleted"] == run["counts"]["deleted"], stats
+    assert stats["duplicates"] == 0, stats
+    assert stats["batch_item_rate_limited"] >= 1, stats  # the ids' limit was met
+    m = await svc.metrics()
+    assert 0 < m.value("cleanup_limiter_items_learnt_rate_per_second") < 400, m
+    assert m.value("cleanup_limiter_items_rate_per_second") < 400, m
+    assert m.value("cleanup_limiter_learnt_rate_per_second") == 0, m  # requests: untouched
+    assert m.value("cleanup_limiter_rate_per_second") > 30, m
+
+
+async def test_two_limits_the_requests_limit_learns_from_the_429s_it_caused(e2e: E2E) -> None:
+    # The other way round: the partner takes 5 requests a second and ids without end;
+    # the service is told 20 requests and 5,000 ids a second. At 50 ids a batch the
+    # requests' limit binds (5,000 / 50 = 100 a second, over 20): its 429s are the
+    # requests' budget's, and the ids' budget learns nothing.
+    sandbox = await e2e.sandbox("--recipients", N, "--rate", 5, "--burst", 1,
+                                "--batch", "per_item", "--batch-items-per-second", 100_000,
+                                "--batch-items-burst", 100_000)
+    svc = _service(e2e, sandbox, "per_item", rate=20.0, cost="both", items_per_second=5000.0)
+    run = await _drain(svc)
+    stats = await sandbox.stats()
+    assert run["counts"]["deleted"] + run["counts"]["already_absent"] == N, run
+    assert stats["duplicates"] == 0, stats
+    assert stats["batch_item_rate_limited"] == 0, stats
+    assert stats["rate_limited"] >= 1, stats
+    m = await svc.metrics()
+    assert 0 < m.value("cleanup_limiter_learnt_rate_per_second") < 20, m
+    assert m.value("cleanup_limiter_items_learnt_rate_per_second") == 0, m
+    assert m.value("cleanup_limiter_items_rate_per_second") > 4000, m

@@ -22,8 +22,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from supervisor import config
+from supervisor import config, metrics
+from supervisor.batchsettings import BatchConfig
+from supervisor.plan import Plan, batching
 from supervisor.service import Service
+from supervisor.status.history import counter_total
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +123,13 @@ class DemoOptions:
 BATCH_PATHS = {"per_item": "/recipients/batch-delete", "accepted": "/recipients/batch-archive",
                "job": "/recipients/batch-jobs"}
 BATCH_SIZE = 100
+# The simulated partner's faults and jobs, per shape: the share of ids a per-item answer
+# throttles, the share an accepted batch silently leaves in place, and a job partner's
+# duration (D) and jobs in flight at once (J), which the service is told as well.
+ITEM_THROTTLE_SHARE = 0.02
+SILENT_MISS_SHARE = 0.02
+JOB_SECONDS = 1.0
+MAX_JOBS = 4
 
 
 def batch_environ(opts: DemoOptions) -> tuple[list[str], dict[str, str]]:
@@ -128,26 +138,47 @@ def batch_environ(opts: DemoOptions) -> tuple[list[str], dict[str, str]]:
     if not shape:
         return [], {}
     args = ["--batch", shape, "--batch-max-items", str(BATCH_SIZE)]
+    env = {"CLEANUP__BATCH__SHAPE": shape, "CLEANUP__BATCH__PATH": BATCH_PATHS[shape],
+           "CLEANUP__BATCH__MAX_ITEMS": str(BATCH_SIZE)}
     if shape == "per_item":
-        args += ["--batch-item-throttle-share", "0.02"]
+        args += ["--batch-item-throttle-share", str(ITEM_THROTTLE_SHARE)]
     elif shape == "accepted":
-        args += ["--batch-silent-miss-share", "0.02"]
+        args += ["--batch-silent-miss-share", str(SILENT_MISS_SHARE)]
     else:
-        args += ["--batch-job-seconds", "1", "--batch-max-jobs", "4"]
-    return args, {"CLEANUP__BATCH__SHAPE": shape, "CLEANUP__BATCH__PATH": BATCH_PATHS[shape],
-                  "CLEANUP__BATCH__MAX_ITEMS": str(BATCH_SIZE)}
+        args += ["--batch-job-seconds", str(JOB_SECONDS), "--batch-max-jobs", str(MAX_JOBS)]
+        # The service is told J too: the ideal reads it from the service's [batch], and a
+        # caller's configuration file must not make it other than the partner's.
+        env["CLEANUP__BATCH__MAX_JOBS_IN_FLIGHT"] = str(MAX_JOBS)
+    return args, env
 
 
-def ideal_seconds(opts: DemoOptions) -> float:
-    """N / R for single deletes; a request per batch (and a probe per id of an accepted
-    batch) at R for a batch partner (``plan`` says the same)."""
-    n, r = opts.recipients, opts.partner_rate
-    if not opts.batch_shape:
-        return n / r
-    requests = -(-n // BATCH_SIZE)
-    if opts.batch_shape == "accepted":
-        requests += n
-    return requests / r
+def ideal_seconds(opts: DemoOptions, batch: BatchConfig) -> float:
+    """The least any tool can take, as ``cleanup-supervisor plan`` works it out: N / R for
+    single deletes; for a batch partner a request per batch, a probe per id of an accepted
+    batch and a job's polls, all at R, and no less than the jobs' own rounds (``batch``:
+    the service's [batch], which the demo's settings made the simulator's)."""
+    # A job's duration counts only for a job partner (plan.Plan reads it for no other).
+    b = batching(batch, job_s=JOB_SECONDS) if opts.batch_shape else None
+    # The cron ceiling, start and cutoff play no part in the least time.
+    return Plan(candidates=opts.recipients, rate=opts.partner_rate, cron_ceiling_s=900.0,
+                limit="known", start=0.0, cutoff_s=None, batch=b).least_s
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceCalls:
+    """The service's partner requests the simulator does not count, from this process's
+    metrics (the service runs here): probes (GET of one recipient) and job status reads.
+    A job lookup by tag (only after a submission's answer was lost) is counted by neither."""
+
+    probes: float
+    job_polls: float
+
+    @classmethod
+    def now(cls) -> ServiceCalls:
+        return cls(counter_total(metrics.PROBES), counter_total(metrics.BATCH_JOB_POLLS))
+
+    def since(self, before: ServiceCalls) -> ServiceCalls:
+        return ServiceCalls(self.probes - before.probes, self.job_polls - before.job_polls)
 
 
 async def run_demo(opts: DemoOptions) -> int:
@@ -179,6 +210,7 @@ async def run_demo(opts: DemoOptions) -> int:
                                     **queue_env, **batch_env})
             cfg = config.load(opts.config_path, environ)
             service = Service(cfg)
+            calls_before = ServiceCalls.now()
             task = await start_service(service)
             if task.done():
                 return await task
@@ -196,9 +228,11 @@ async def run_demo(opts: DemoOptions) -> int:
             finally:
                 service.request_stop()
                 code = await task
-    ideal = ideal_seconds(opts)
-    report["ideal_seconds"] = round(ideal, 1)
-    report["requests_per_op"] = round(report.pop("requests") / max(1, opts.recipients), 3)
+            service_calls = ServiceCalls.now().since(calls_before)
+    ideal = ideal_seconds(opts, cfg.batch)
+    report["ideal_seconds"] = round(ideal, 2)
+    per_op = _per_op(report, service_calls, opts.recipients, opts.batch_shape)
+    report.update(per_op)
     counts = report
     ok = (code == 0 and counts["duplicates"] == 0 and counts["failed"] == 0
           and counts["unfinished"] == 0 and counts["discovered"] == opts.recipients)
@@ -206,7 +240,7 @@ async def run_demo(opts: DemoOptions) -> int:
           f"partner saw {report.pop('executions')} executed deletes")
     keys: tuple[str, ...] = ("discovered", "deleted", "already_absent", "failed", "ambiguous",
                              "duplicates", "rate_limited", "seconds", "ideal_seconds",
-                             "requests_per_op")
+                             *per_op)
     if "infrai_calls" in report:
         calls = report["infrai_calls"]
         keys += ("infrai_calls",)
@@ -214,6 +248,23 @@ async def run_demo(opts: DemoOptions) -> int:
         keys += ("infrai_calls_per_op",)
     print(" ".join(f"{k}={report[k]}" for k in keys), flush=True)
     return 0 if ok else 1
+
+
+def _per_op(report: dict[str, Any], calls: ServiceCalls, n: int,
+            shape: str) -> dict[str, float]:
+    """Every request the service made to the partner, per operation, and for a batch
+    partner where they went. DELETEs and batch submissions as the simulator counted them
+    (a 429 included), probes and job polls as the service did."""
+    deletes, batches = report.pop("requests"), report.pop("batch_requests")
+    n = max(1, n)
+    out = {"requests_per_op":
+           round((deletes + batches + calls.probes + calls.job_polls) / n, 3)}
+    if shape:
+        out |= {"batch_requests_per_op": round(batches / n, 3),
+                "probes_per_op": round(calls.probes / n, 3)}
+    if shape == "job":
+        out["job_polls_per_op"] = round(calls.job_polls / n, 3)
+    return out
 
 
 async def _infrai_calls(emulator_url: str, control_key: str) -> int:
@@ -260,6 +311,7 @@ async def _drive(service_url: str, sandbox_url: str, trigger_token: str,
             "ambiguous": c["ambiguous"], "unfinished": run["unfinished"],
             "duplicates": stats["duplicates"], "rate_limited": stats["rate_limited"],
             "executions": stats["executions"], "requests": stats["requests"],
+            "batch_requests": stats.get("batch_requests", 0),
             "seconds": round(elapsed, 1)}
 
 

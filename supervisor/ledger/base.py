@@ -176,6 +176,12 @@ class Ledger(BatchRecords, Protocol):
         PostgreSQL this replica's heartbeat is fresh enough that no peer can declare it
         dead within ``for_s``)."""
 
+    async def owns_attempts(self, claims: Sequence[tuple[str, int, str]],
+                            for_s: float) -> set[str]:
+        """:meth:`owns_attempt` for a batch's members at once (one read): of ``claims``
+        (operation ID, attempt ID, owner), the operations whose attempt is still theirs
+        for ``for_s`` more."""
+
     async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
         """Commit outcomes; return the settlements whose message the transport must still
         ack or publish again (none when the queue lives in the ledger's own database).

@@ -126,6 +126,11 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
                            for_s: float) -> bool:
         """See :meth:`~supervisor.ledger.base.Ledger.owns_attempt` (as keep_attempt)."""
 
+    @abstractmethod
+    async def owns_attempts(self, claims: Sequence[tuple[str, int, str]],
+                            for_s: float) -> set[str]:
+        """See :meth:`~supervisor.ledger.base.Ledger.owns_attempts` (as keep_attempt)."""
+
     @property
     def healthy(self) -> bool:
         return self._storage.healthy

@@ -124,3 +124,13 @@ class PostgresLedger(LedgerCore[PgTx]):
         row = await self.db.read_one(sql.OWNS_ATTEMPT, operation_id, attempt_id, owner,
                                      self.db.replica, for_s, fresh_s)
         return row is not None
+
+    async def owns_attempts(self, claims: Sequence[tuple[str, int, str]],
+                            for_s: float) -> set[str]:
+        fresh_s = self._dead_after_s - for_s
+        if fresh_s <= 0 or not claims:
+            return set()
+        ids, attempts, owners = (list(x) for x in zip(*claims, strict=True))
+        rows = await self.db.read(sql.OWNS_ATTEMPTS, ids, attempts, owners,
+                                  self.db.replica, for_s, fresh_s)
+        return {row[0] for row in rows}

@@ -332,6 +332,16 @@ OWNS_ATTEMPT = (
     f"SELECT 1 FROM operations o WHERE {_OWNED} AND o.busy_until > {DB_NOW} + $5"
     f" AND EXISTS (SELECT 1 FROM replicas r WHERE r.id = $4 AND r.heartbeat_at > {DB_NOW} - $6)"
 )
+# The same for a batch's members: $1, $2, $3 the operations, attempts and owners.
+OWNS_ATTEMPTS = (
+    "SELECT o.id FROM operations o"
+    " JOIN unnest($1::text[], $2::bigint[], $3::text[]) AS c(id, attempt, owner) ON o.id = c.id"
+    f" WHERE o.state = 'in_flight' AND o.owner = c.owner AND o.holder = $4"
+    f" AND o.busy_until > {DB_NOW} + $5"
+    " AND EXISTS (SELECT 1 FROM attempts a WHERE a.id = c.attempt AND a.operation_id = o.id"
+    " AND a.outcome IS NULL)"
+    f" AND EXISTS (SELECT 1 FROM replicas r WHERE r.id = $4 AND r.heartbeat_at > {DB_NOW} - $6)"
+)
 KEEP_ATTEMPT = (
     f"UPDATE operations o SET busy_until = {DB_NOW} + $5 WHERE {_OWNED}"
     f" AND o.busy_until > {DB_NOW}"

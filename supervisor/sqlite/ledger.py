@@ -126,6 +126,14 @@ class SqliteLedger(LedgerCore[SqliteTx]):
             "until": time.time() + for_s})
         return row is not None
 
+    async def owns_attempts(self, claims: Sequence[tuple[str, int, str]],
+                            for_s: float) -> set[str]:
+        if not claims:
+            return set()
+        rows = await self.db.read(sql.OWNS_ATTEMPTS, (
+            orjson.dumps([list(c) for c in claims]).decode(), time.time() + for_s))
+        return {row[0] for row in rows}
+
     async def release_dead_owners(self) -> int:
         """Free every operation an attempt of a previous process holds in flight.
 

@@ -407,6 +407,15 @@ _OWNED = (
     " AND a.outcome IS NULL)"
 )
 OWNS_ATTEMPT = f"SELECT 1 FROM operations WHERE {_OWNED}"
+# The same for a batch's members: ?1 a JSON array of [operation, attempt, owner].
+OWNS_ATTEMPTS = (
+    "SELECT o.id FROM operations o JOIN json_each(?1) c"
+    " ON o.id = json_extract(c.value, '$[0]')"
+    " WHERE o.state = 'in_flight' AND o.owner = json_extract(c.value, '$[2]')"
+    " AND o.busy_until > ?2 AND EXISTS (SELECT 1 FROM attempts a"
+    " WHERE a.id = json_extract(c.value, '$[1]') AND a.operation_id = o.id"
+    " AND a.outcome IS NULL)"
+)
 KEEP_ATTEMPT = f"UPDATE operations SET busy_until = :busy_until WHERE {_OWNED}"
 # A redelivery found the last attempt unfinished: its outcome is unknown for good.
 HAS_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE operation_id = ? AND outcome IS NULL LIMIT 1"

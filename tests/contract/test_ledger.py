@@ -803,6 +803,28 @@ class TestLedgerContract:
         assert not await ledger.keep_attempt(other, c, "lease-3", 30)
         assert ledger.healthy
 
+    async def test_a_batchs_members_are_owned_each_as_one_attempt_would_be(
+            self, backend: Backend) -> None:
+        ledger, queue = backend.ledger, backend.queue
+        await discovered_run(backend, ["a", "b", "c", "d"])
+        ds = await queue.receive(4, 60)
+        ops = [d.message.operation_id for d in ds]
+        held = [await ledger.begin_attempt(op, "delete", owner=f"lease-{i}", busy_s=30)
+                for i, op in enumerate(ops[:3])]
+        claims = [(op, a, f"lease-{i}") for i, (op, a) in enumerate(zip(ops, held))]
+        assert await ledger.owns_attempts(claims, 10) == set(ops[:3])
+        assert await ledger.owns_attempts(claims, 60) == set()  # none held that long
+        assert await ledger.owns_attempts([], 10) == set()
+        # One claimed by the wrong owner, one superseded, one settled: none of them.
+        wrong = (ops[0], held[0], "lease-9")
+        await ledger.begin_attempt(ops[1], "delete", owner="lease-1", busy_s=30,
+                                   supersedes_open=True)
+        await ledger.settle([Settlement(ops[2], OpState.DELETED, ds[2], attempt_id=held[2],
+                                        outcome="deleted")])
+        assert await ledger.owns_attempts([wrong, *claims[1:]], 0) == set()
+        assert await ledger.owns_attempts(claims, 0) == {ops[0]}
+        assert ledger.healthy
+
     async def test_an_operation_in_flight_elsewhere_is_busy(self, backend: Backend) -> None:
         ledger, queue = backend.ledger, backend.queue
         await discovered_run(backend, ["a"])

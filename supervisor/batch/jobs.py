@@ -18,6 +18,7 @@ import time
 
 from supervisor import metrics
 from supervisor.batch.client import BatchClient
+from supervisor.batch.schedule import next_poll, seen_lifetime
 from supervisor.batch.verdicts import Ruling, rule_probe, rule_result
 from supervisor.budget.base import Feedback, Outcome, RateBudget
 from supervisor.config import Config
@@ -44,17 +45,42 @@ class JobPoller:
         self.courier = courier
         self.wakeup = wakeup
         self.closed = closed
+        # The shortest life of a finished job's results seen (None: none seen yet). Kept
+        # in memory only: a restart relearns it from the first finished job it reads,
+        # meanwhile an expiry the running jobs announce still schedules their reads, and
+        # persisting it would take a ledger column for what one finished job restores.
+        # Each replica learns its own from the jobs it reads, which is no less safe. The
+        # shortest, not the latest: a partner keeping only its last N jobs shortens the
+        # life of results as more jobs arrive, and a read too often costs one request
+        # where one too late costs a probe per item.
+        self.lifetime: float | None = None
 
     def due(self, job: Batch) -> float:
-        """When ``job`` is read next: the poll interval doubles with the job's age since
-        its submission (so a 2-second job is read within a second or two, a 6-hour one
-        every ``poll_max_seconds``), and is never shorter than the first."""
-        since = job.submitted_at or job.created_at
-        if job.polled_at is None:
-            return since + self.batch.poll_initial_seconds
-        interval = min(self.batch.poll_max_seconds,
-                       max(self.batch.poll_initial_seconds, job.polled_at - since))
-        return job.polled_at + interval
+        """When ``job`` is read next (supervisor.batch.schedule.next_poll): the interval
+        doubles with its age up to ``poll_max_seconds``, but never exceeds half its
+        results' learnt lifetime, and comes before an expiry the job announced."""
+        return next_poll(job.submitted_at or job.created_at, job.polled_at,
+                         initial=self.batch.poll_initial_seconds,
+                         maximum=self.batch.poll_max_seconds, lifetime=self.lifetime,
+                         expires_at=job.results_expire_at)
+
+    def learn(self, job: Batch, expires_at: float | None, seen_at: float) -> None:
+        """Learn the results' lifetime from ``job``, read finished at ``seen_at``.
+
+        Not from a job that announced its expiry while it ran: that expiry may have timed
+        this read just before it, and the life left then says when we chose to read, not
+        how long results live (every later job would be read each
+        ``poll_initial_seconds`` for nothing). Such a job needs no learnt lifetime: its
+        own announcement schedules its reads."""
+        if expires_at is None or job.results_expire_at is not None:
+            return
+        seen = seen_lifetime(expires_at, seen_at)
+        if self.lifetime is None or seen < self.lifetime:
+            self.lifetime = seen
+            log.info("batch job results live at least %.1fs: a job is read at most %.1fs "
+                     "after the last read", seen, max(self.batch.poll_initial_seconds,
+                                        min(self.batch.poll_max_seconds, seen / 2)),
+                     extra={"action": "batch_job_lifetime"})
 
     async def run(self) -> None:
         """Never returns."""
@@ -102,6 +128,7 @@ class JobPoller:
                                                   f"{progress}")
         else:
             metrics.BATCH_JOB_POLLS.labels("done").inc()
+            self.learn(job, state.expires_at, time.time())
             members = await self._open_members(job)
             ops = await self._ops(members)
             rulings = [(m, rule_result(self.config.partner, job.id, state.items,

@@ -227,3 +227,39 @@ async def test_two_limits_the_requests_limit_learns_from_the_429s_it_caused(e2e:
     assert 0 < m.value("cleanup_limiter_learnt_rate_per_second") < 20, m
     assert m.value("cleanup_limiter_items_learnt_rate_per_second") == 0, m
     assert m.value("cleanup_limiter_items_rate_per_second") > 4000, m
+
+
+async def test_short_lived_results_are_read_before_they_expire(e2e: E2E) -> None:
+    # Jobs of 3 s whose results are kept 1.5 s once finished, one at a time, and a
+    # poll_max_seconds far longer. Doubling alone reads each job at 0.3, 0.6, 1.2 and
+    # 2.4 s (running), then at 4.8 s: 0.3 s after its results expired, every item
+    # probed. The partner announces each running job's expiry (expires_at, rounded
+    # down), and the next read is brought forward to poll_initial_seconds before it:
+    # every job is read from the first on, so nothing is ever probed. (A partner that
+    # announces nothing while a job runs has the lifetime seen on its first finished job
+    # cap the interval at half of it: tests/unit/test_job_schedule.py.)
+    jobs = 3
+    sandbox = await e2e.sandbox("--recipients", 50 * jobs, "--rate", 500, "--batch", "job",
+                                "--batch-job-seconds", 3.0, "--batch-max-jobs", 1,
+                                "--batch-job-result-ttl-seconds", 1.5)
+    svc = _service(e2e, sandbox, "job", max_jobs_in_flight=1, poll_initial_seconds=0.3,
+                   poll_max_seconds=20.0)
+    run = await _drain(svc)
+    m = await svc.metrics()
+    polls = "cleanup_batch_job_polls_total"
+    assert m.get(polls, found="expired") == 0, m.text
+    assert m.get(polls, found="done") == jobs, m.text
+    probes = sum(v for (name, _), v in m.samples.items() if name == "cleanup_probes_total")
+    assert probes == 0, m.text
+    stats = await sandbox.stats()
+    c = run["counts"]
+    assert c["deleted"] + c["already_absent"] == 50 * jobs, run
+    assert stats["present"] == 0, stats
+    assert stats["deleted"] == c["deleted"], stats
+    assert stats["duplicates"] == 0, stats
+    assert stats["batch_jobs_submitted"] == jobs, stats
+    # Each item settled on its job's own result, not on a probe.
+    for state in ("deleted", "already_absent"):
+        details = await _attempt_details(svc, run["id"], state)
+        assert all(d.startswith(("item HTTP 200 in batch bat_", "item HTTP 404 in batch bat_"))
+                   for d in details), details

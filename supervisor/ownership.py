@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 from supervisor import metrics
 from supervisor.budget.base import Admission, Feedback, Grant, Outcome, RateBudget
@@ -74,6 +75,21 @@ class Ownership:
             self.budget.release(grant, Feedback(Outcome.OTHER))
             return self._not_sent(op_id, "it was no longer this delivery's when its token came")
         return grant, None
+
+    async def still_owned(self, claims: Sequence[tuple[str, int, str]]) -> set[str]:
+        """The same check for a batch's members (operation, attempt, owner), in one read:
+        the operations whose attempt is still its owner's for the request's bound. A hold
+        that only ran short (the batch's token came later than foreseen) is extended
+        first, where it has not run out; the others are no longer theirs."""
+        owned = await self.ledger.owns_attempts(claims, self.cover_s)
+        short = [c for c in claims if c[0] not in owned]
+        if not short:
+            return owned
+        kept = await asyncio.gather(*(self.ledger.keep_attempt(op_id, attempt, owner,
+                                                               self.busy_s)
+                                      for op_id, attempt, owner in short))
+        return owned | await self.ledger.owns_attempts(
+            [c for c, k in zip(short, kept, strict=True) if k], self.cover_s)
 
     @staticmethod
     def _not_sent(op_id: str, why: str) -> tuple[None, str]:

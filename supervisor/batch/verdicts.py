@@ -69,6 +69,17 @@ def refused_whole(batch_id: str, whole: Answer, why: str) -> Ruling:
     return Ruling(OpState.RETRY_WAIT, None, answer, Disposition.KEEP, again=True, refund=True)
 
 
+def lost_hold(batch_id: str, delay_s: float) -> Ruling:
+    """Not sent: when the batch's token came, the item's attempt was no longer its
+    delivery's (its hold ran out and another took the operation over; on PostgreSQL,
+    this replica was not fresh enough). Whoever holds the operation decides it; the
+    message comes back ``delay_s`` later, as a single DELETE's would."""
+    answer = Answer(Verdict.TRANSIENT, None,
+                    f"not sent: its hold was lost before batch {batch_id}'s token came")
+    return Ruling(OpState.RETRY_WAIT, None, answer, Disposition.RETRY, delay_s=delay_s,
+                  refund=True)
+
+
 def rule_probe(p: PartnerConfig, batch_id: str, presence: Presence, detail: str,
                attempts: int, resend_if_present: bool) -> Ruling:
     """A probe after a batch that gave nothing per item (accepted whole; a job whose

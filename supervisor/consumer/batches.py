@@ -22,19 +22,27 @@ from dataclasses import dataclass
 from supervisor import metrics
 from supervisor.batch.chunker import Chunker
 from supervisor.batch.client import BatchAnswer, BatchClient
-from supervisor.batch.verdicts import Ruling, refused_whole, rule, rule_probe, rule_result
+from supervisor.batch.verdicts import (
+    Ruling,
+    lost_hold,
+    refused_whole,
+    rule,
+    rule_probe,
+    rule_result,
+)
 from supervisor.batchsettings import BatchConfig
 from supervisor.budget.base import Admission, Feedback, Grant, Outcome, RateBudget
 from supervisor.budget.pair import TwoLimits
 from supervisor.config import Config
 from supervisor.consumer.decide import Action, Do, Rules, busy, decide
-from supervisor.consumer.executor import Phase, Phases
+from supervisor.consumer.executor import LOST_RETRY_S, Phase, Phases
 from supervisor.consumer.settler import Settler
 from supervisor.errors import AttemptOpen, IllegalTransition, OperationBusy
 from supervisor.ledger.base import Ledger
 from supervisor.ledger.ids import new_batch_id
 from supervisor.model import Batch, Delivery, Disposition, Operation, Received, Settlement
 from supervisor.outcomes import backoff, feedback
+from supervisor.ownership import Ownership
 from supervisor.partner import Answer, PartnerClient, Verdict, paced_probe
 from supervisor.queue.courier import Courier
 from supervisor.states import SETTLED, OpState
@@ -75,7 +83,7 @@ class _Sent:
 class BatchSender:
     def __init__(self, config: Config, ledger: Ledger, budget: RateBudget,
                  partner: PartnerClient, courier: Courier, settler: Settler, rules: Rules,
-                 phases: Phases, busy_s: float) -> None:
+                 phases: Phases, owned: Ownership) -> None:
         self.config = config
         self.batch: BatchConfig = config.batch
         self.ledger = ledger
@@ -86,7 +94,8 @@ class BatchSender:
         self.settler = settler
         self.rules = rules
         self._phases = phases
-        self._busy_s = busy_s
+        self.owned = owned
+        self._busy_s = owned.busy_s
         self.chunker: Chunker[Item] = Chunker(config.batch, self._launch,
                                               lambda it: it.op.recipient_id,
                                               linger=config.batch.shape != "job")
@@ -275,7 +284,34 @@ class BatchSender:
                 Verdict.TRANSIENT, None, ""), "was not sent: a hold began first"))
                 for it in members])
             return None
+        try:
+            lost = await self._lost(members)
+        except BaseException:
+            self.budget.release(grant, Feedback(Outcome.OTHER))
+            raise
+        if lost:
+            # Never a subset under the batch's ID: a resend under its key must carry the
+            # same ids. The others go in the next batch, with attempts of their own.
+            self.budget.release(grant, Feedback(Outcome.OTHER))
+            metrics.ATTEMPTS_NOT_SENT.inc(len(lost))
+            log.warning("batch %s not sent: %d of its %d ids' holds were lost before the "
+                        "token came", batch.id, len(lost), len(members),
+                        extra={"action": "attempt_not_sent"})
+            await self._settle(batch, [(it, lost_hold(batch.id, LOST_RETRY_S)) if it.op.id in lost
+                                       else (it, refused_whole(batch.id, Answer(
+                                           Verdict.TRANSIENT, None, ""), "was not sent: another "
+                                           "member's hold was lost")) for it in members])
+            await self.ledger.update_batch(batch.id, "closed",
+                                           detail="never sent: a member's hold was lost")
+            return None
         return batch, members, grant
+
+    async def _lost(self, members: list[Item]) -> set[str]:
+        """The check right before the request leaves (supervisor/ownership.py): the
+        members whose attempt is no longer their delivery's."""
+        claims = [(it.op.id, it.attempt_id or 0, it.delivery.receipt) for it in members
+                  if it.delivery is not None]
+        return {c[0] for c in claims} - await self.owned.still_owned(claims)
 
     async def _guarded_open(self, admission: Admission,
                             items: list[Item]) -> tuple[Batch, list[Item]] | None:

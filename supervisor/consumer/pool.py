@@ -80,7 +80,7 @@ class ConsumerPool:
         self.batches: BatchSender | None = None
         if config.batch.enabled:
             self.batches = BatchSender(config, ledger, budget, partner, self.courier,
-                                       self.settler, self.rules, self._phases, owned.busy_s)
+                                       self.settler, self.rules, self._phases, owned)
         self._fetching: asyncio.Task[None] | None = None
         self._extending: asyncio.Task[None] | None = None
         self._pumping: asyncio.Task[None] | None = None

@@ -142,3 +142,35 @@ class TestBeginAttempts:
         again = await backend.ledger.begin_attempts([(a, "me")], "delete", 30.0)
         assert isinstance(again[0], int)
         assert again[0] != got[0]
+
+
+class TestBatchOwnership:
+    """Right before a batch leaves, which members are still their deliveries'
+    (supervisor/ownership.py, Ownership.still_owned): one read, a short hold extended,
+    a lost one named."""
+
+    async def test_a_short_hold_is_extended_and_a_lost_one_named(self, backend: Backend) -> None:
+        from supervisor.budget.local import LocalBudget
+        from supervisor.budget.settings import LimitsConfig
+        from supervisor.ownership import Ownership
+
+        ledger, queue = backend.ledger, backend.queue
+        await discovered_run(backend, ["a", "b", "c", "d"])
+        ds = await queue.receive(4, 60)
+        ops = [d.message.operation_id for d in ds]
+        owned = Ownership(ledger, LocalBudget(LimitsConfig(), key="p"), cover_s=2.0,
+                          slack_s=5.0)
+        # a: held long enough. b: held, but for less than the request's bound (the token
+        # came late): extended. c: its hold ran out. d: a later attempt superseded it.
+        a = await ledger.begin_attempt(ops[0], "delete", owner="l-a", busy_s=30)
+        b = await ledger.begin_attempt(ops[1], "delete", owner="l-b", busy_s=1.0)
+        c = await ledger.begin_attempt(ops[2], "delete", owner="l-c", busy_s=0.01)
+        d = await ledger.begin_attempt(ops[3], "delete", owner="l-d", busy_s=30)
+        await ledger.begin_attempt(ops[3], "delete", owner="l-d", busy_s=30,
+                                   supersedes_open=True)
+        await asyncio.sleep(0.05)  # c's hold is a deadline on a clock: let it pass
+        claims = [(ops[0], a, "l-a"), (ops[1], b, "l-b"), (ops[2], c, "l-c"),
+                  (ops[3], d, "l-d")]
+        assert await owned.still_owned(claims) == {ops[0], ops[1]}
+        assert await ledger.owns_attempt(ops[1], b, "l-b", 2.0)  # b's hold now covers it
+        assert await owned.still_owned([]) == set()

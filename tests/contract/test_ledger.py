@@ -811,7 +811,7 @@ class TestLedgerContract:
         ops = [d.message.operation_id for d in ds]
         held = [await ledger.begin_attempt(op, "delete", owner=f"lease-{i}", busy_s=30)
                 for i, op in enumerate(ops[:3])]
-        claims = [(op, a, f"lease-{i}") for i, (op, a) in enumerate(zip(ops, held))]
+        claims = [(op, a, f"lease-{i}") for i, (op, a) in enumerate(zip(ops[:3], held, strict=True))]
         assert await ledger.owns_attempts(claims, 10) == set(ops[:3])
         assert await ledger.owns_attempts(claims, 60) == set()  # none held that long
         assert await ledger.owns_attempts([], 10) == set()

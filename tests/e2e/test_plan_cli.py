@@ -115,6 +115,14 @@ async def test_plan_reads_the_batch_section_and_the_flags_override_it(e2e, tmp_p
     assert code == 0, err
     assert "N / R            = 15 min 20 s (920 s)" in out
     assert "batches do not speed it up; they send 37 requests instead of 18,400" in out
+    # Two limits: 20 requests and 500 ids a second; the ids bind (36.8 s). Without the
+    # ids' limit, a usage error that names the flag.
+    code, out, err = await e2e.cli(*base, "--batch-shape", "per_item", "--batch-cost", "both",
+                                   "--items-rate", "500", "--json")
+    assert code == 0, err
+    assert orjson.loads(out)["ideal_seconds"] == pytest.approx(36.8)
+    code, out, err = await e2e.cli(*base, "--batch-shape", "per_item", "--batch-cost", "both")
+    assert code == 2 and "--items-rate" in err, (code, err)
     # Jobs: 4 in flight (the default), 60 s each.
     code, out, err = await e2e.cli(*base, "--batch-shape", "job", "--job-seconds", "60",
                                    "--json")

@@ -559,3 +559,17 @@ def test_accepted_batches_need_a_probe_or_the_named_risk(tmp_path: Path) -> None
     risked = toml + "settle_accepted_unprobed_risking_silent_misses = true\n" \
         "[partner]\nprobe_path = ''\n"
     assert config.load(write(tmp_path, risked), environ=TOKEN_ENV).batch.shape == "accepted"
+
+
+def test_two_limits_need_the_ids_limit_and_only_two_limits_read_it(tmp_path: Path) -> None:
+    both = "[batch]\nshape = 'per_item'\ncost = 'both'\n"
+    found = problems_of(write(tmp_path, both), TOKEN_ENV)
+    assert any("batch.items_per_second must be > 0" in p for p in found), found
+    stray = "[batch]\nshape = 'per_item'\ncost = 'items'\nitems_per_second = 100\n"
+    found = problems_of(write(tmp_path, stray), TOKEN_ENV)
+    assert any("batch.items_per_second is read only when batch.cost = 'both'" in p
+               for p in found), found
+    cfg = config.load(write(tmp_path, both + "items_per_second = 500\n"), environ=TOKEN_ENV)
+    assert (cfg.batch.cost, cfg.batch.items_per_second) == ("both", 500.0)
+    found = problems_of(write(tmp_path, "[batch]\ncost = 'all'\n"), TOKEN_ENV)
+    assert any("batch.cost" in p for p in found), found

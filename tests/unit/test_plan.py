@@ -94,9 +94,11 @@ def test_a_quota_smaller_than_n_sets_the_least_time() -> None:
 
 def _batch(shape: str, cost: str = "requests", probe: bool = True,
            job_s: float | None = None, n: int = 18_400, cutoff_s: float | None = 6 * 3600,
-           quotas: tuple[tuple[str, int, float], ...] = ()) -> Plan:
+           quotas: tuple[tuple[str, int, float], ...] = (),
+           items_per_second: float = 0.0) -> Plan:
     b = Batching(shape=shape, size=100, cost=cost, probe_accepted=probe,  # type: ignore[arg-type]
-                 max_jobs_in_flight=4, job_s=job_s, poll_initial_s=0.5, poll_max_s=30.0)
+                 max_jobs_in_flight=4, job_s=job_s, poll_initial_s=0.5, poll_max_s=30.0,
+                 items_per_second=items_per_second)
     return Plan(candidates=n, rate=20, cron_ceiling_s=900, limit="known", start=START,
                 cutoff_s=cutoff_s, quotas=quotas, batch=b)
 
@@ -233,3 +235,19 @@ def test_the_batch_section_and_the_flags_make_the_batching() -> None:
     assert b is not None
     assert (b.shape, b.size, b.cost, b.job_s) == ("job", 200, "requests", 30)
     assert batching(BatchConfig(shape="job"), shape="") is None
+
+
+def test_two_limits_take_the_longer_of_the_requests_and_the_ids() -> None:
+    # 184 batches at 20 requests/s take 9.2 s; 18,400 ids at 500 ids/s take 36.8 s.
+    p = _batch("per_item", cost="both", items_per_second=500.0)
+    assert (p.requests, p.units) == (184, 184)
+    assert p.items_s == pytest.approx(36.8)
+    assert p.ideal_s == p.least_s == pytest.approx(36.8)
+    assert "the ids' limit binds" in render(p)
+    # 5,000 ids/s: the requests bind again (3.68 s of ids, 9.2 s of requests).
+    p = _batch("per_item", cost="both", items_per_second=5000.0)
+    assert p.ideal_s == pytest.approx(9.2)
+    assert "the requests' limit binds" in render(p)
+    # An accepted partner's probes take an id's token each as well.
+    p = _batch("accepted", cost="both", items_per_second=500.0)
+    assert p.items_s == pytest.approx(2 * 18_400 / 500)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
@@ -384,7 +384,7 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
                 out.append(-1)
             if begun:
                 await tx.execute(sql.CLOSE_OPEN_ATTEMPTS_OF, now, list(begun))
-                await tx.execute(sql.CLOSE_FINISHED_BATCHES_OF, now, list(begun))
+                await self._close_batches(tx, now, of_operations=list(begun))
             for i, (operation_id, _) in enumerate(starts):
                 if out[i] == -1:
                     [row] = await tx.fetch(sql.INSERT_ATTEMPT, operation_id,
@@ -419,6 +419,7 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
         # (this loop): a rule added here and not there fails the contract.
         sql, now = self._sql, self._now()
         settled: list[str] = []
+        held: list[str] = []  # operations whose earlier attempts were closed unknown
         for s in settlements:
             if s.attempt_id is not None and not await tx.execute(
                     sql.FINISH_ATTEMPT, now, s.status, s.outcome, s.detail, s.attempt_id):
@@ -437,7 +438,7 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
                 # Held because an earlier attempt has no outcome (its process died):
                 # that outcome is unknown for good, not "still in the air".
                 await tx.execute(sql.CLOSE_OPEN_ATTEMPTS, now, s.operation_id)
-                await tx.execute(sql.CLOSE_FINISHED_BATCHES_OF, now, [s.operation_id])
+                held.append(s.operation_id)
             await tx.execute(sql.SETTLE_BOOKKEEPING, *self._bookkeeping(s, now))
             if self._owns_queue and s.delivery is not None:
                 if s.disposition is Disposition.ACK:
@@ -446,9 +447,25 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
                     await tx.execute(sql.RETRY_MESSAGE, self._queue_time(now, s.delay_s),
                                      s.operation_id, s.delivery.receipt)
         await self._record_events(tx, sql.INSERT_OPERATION_EVENT, settled, now)
-        batches = {s.batch_id for s in settlements if s.batch_id is not None}
-        if batches:
-            await tx.execute(sql.CLOSE_FINISHED_BATCHES, now, sorted(batches))
+        await self._close_batches(tx, now, {s.batch_id for s in settlements
+                                            if s.batch_id is not None}, held)
+
+    async def _close_batches(self, tx: TxT, now: float, batch_ids: Iterable[str] = (),
+                             of_operations: Sequence[str] = ()) -> None:
+        """Close the batches (named, or those the operations' attempts went out in) whose
+        last open attempt this transaction closed. Each batch's lock first: two
+        transactions closing a batch's last two attempts at once (PostgreSQL, READ
+        COMMITTED) would each see the other's still open and neither close it; in turn,
+        the later one's statement sees the earlier's commit."""
+        ids = set(batch_ids)
+        if of_operations:
+            ids.update(r[0] for r in await tx.fetch(self._sql.SELECT_OPEN_BATCHES_OF,
+                                                    list(of_operations)))
+        if not ids:
+            return
+        for batch_id in sorted(ids):  # one order everywhere: no deadlock between two
+            await tx.lock(f"batch:{batch_id}")
+        await tx.execute(self._sql.CLOSE_FINISHED_BATCHES, now, sorted(ids))
 
     def _bookkeeping(self, s: Settlement, now: float) -> tuple[bool, float | None, bool, str]:
         """SETTLE_BOOKKEEPING's parameters: keep the lease, the retry's due time, clear the

@@ -100,7 +100,7 @@ class Statements(Protocol):
     SELECT_OPEN_BATCH_OF: str
     SELECT_OPEN_JOBS: str
     CLOSE_FINISHED_BATCHES: str
-    CLOSE_FINISHED_BATCHES_OF: str
+    SELECT_OPEN_BATCHES_OF: str
     # the queue table, when the ledger owns the queue
     INSERT_MESSAGE: str
     DELETE_MESSAGE: str

@@ -579,6 +579,11 @@ CLOSE_FINISHED_BATCHES = (
     "UPDATE batches SET state = 'closed', closed_at = ?1 "
     f"WHERE id IN (SELECT value FROM json_each(?2)) AND state != 'closed' AND {_NO_OPEN}"
 )
+# The batches not yet closed that an operation's attempts went out in (?1 the operations).
+SELECT_OPEN_BATCHES_OF = (
+    "SELECT DISTINCT a.batch_id FROM attempts a JOIN batches b ON b.id = a.batch_id "
+    "WHERE a.operation_id IN (SELECT value FROM json_each(?1)) AND b.state != 'closed'"
+)
 CLOSE_FINISHED_BATCHES_OF = (
     "UPDATE batches SET state = 'closed', closed_at = ?1 WHERE id IN (SELECT batch_id "
     f"FROM attempts WHERE operation_id IN (SELECT value FROM json_each(?2)) AND batch_id IS NOT NULL) "

@@ -174,3 +174,23 @@ class TestBatchOwnership:
         assert await owned.still_owned(claims) == {ops[0], ops[1]}
         assert await ledger.owns_attempt(ops[1], b, "l-b", 2.0)  # b's hold now covers it
         assert await owned.still_owned([]) == set()
+
+
+class TestBatchClosing:
+    @pytest.mark.parametrize("n", [2, 10, 50])
+    async def test_items_settled_at_once_each_in_its_own_commit_close_their_batch(
+            self, backend: Backend, n: int) -> None:
+        # The sender settles a batch's items concurrently, one commit each (one refused
+        # must not undo the others): on PostgreSQL, two commits closing the last two
+        # attempts at once each saw the other's open, and the batch stayed open (4 times
+        # in 5 at 10 and 50 items before each batch's close took its lock).
+        await _batch_of(backend, [f"r-{i}" for i in range(n)])
+        members = await backend.ledger.batch_members("b-1")
+        await asyncio.gather(*(backend.ledger.settle([Settlement(
+            m.operation_id, OpState.RETRY_WAIT, None, attempt_id=m.attempt_id,
+            outcome="transient", detail="batch b-1 found the partner's job limit reached",
+            batch_id="b-1")]) for m in members))
+        assert all(m.outcome == "transient" for m in await backend.ledger.batch_members("b-1"))
+        batch = await backend.ledger.get_batch("b-1")
+        assert batch is not None
+        assert batch.state == "closed", batch

@@ -122,7 +122,8 @@ async def test_plan_reads_the_batch_section_and_the_flags_override_it(e2e, tmp_p
     assert code == 0, err
     assert orjson.loads(out)["ideal_seconds"] == pytest.approx(36.8)
     code, out, err = await e2e.cli(*base, "--batch-shape", "per_item", "--batch-cost", "both")
-    assert code == 2 and "--items-rate" in err, (code, err)
+    assert code == 2, (code, err)
+    assert "--items-rate" in err, err
     # Jobs: 4 in flight (the default), 60 s each.
     code, out, err = await e2e.cli(*base, "--batch-shape", "job", "--job-seconds", "60",
                                    "--json")

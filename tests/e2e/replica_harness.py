@@ -134,3 +134,16 @@ async def settle_run(svc: Service, run_id: str, within_s: float = 120.0) -> dict
             raise AssertionError(f"run {run_id} not settled after {within_s}s: {doc}")
         if doc["state"] == "done":
             await asyncio.sleep(0.25)
+
+
+async def batch_ids(dsn: str, schema: str) -> list[str]:
+    """Every batch the shared ledger holds, by ID. The one read here not through the
+    protocol: it hands out a batch by its ID and lists open jobs only, and "every batch
+    closed" needs them all (a batch whose attempts were all closed without naming it
+    could otherwise go unseen). Each one is then read through the protocol."""
+    db = PgDatabase(dsn, schema, replica="e2e-reader", pool_size=1)
+    await db.open()
+    try:
+        return [r[0] for r in await db.read("SELECT id FROM batches ORDER BY created_at, id")]
+    finally:
+        await db.close()

@@ -148,32 +148,10 @@ async def _holders(services: list[FaultService]) -> set[int]:
 
 class BatchesLeftOpen(AssertionError):
     """Batch rows the ledger still shows open once the run settled, every other check
-    having held."""
+    having held (what the storm first found: concurrent item settlements on PostgreSQL
+    each saw the others' attempts open, and none closed the batch)."""
 
 
-# A known service bug, and only it: on PostgreSQL a batch settled item by item in
-# concurrent transactions (Settler.settle_many, one ledger.settle each) is closed by
-# none of them when their commits overlap: each one's CLOSE_FINISHED_BATCHES still sees
-# the others' attempts open (READ COMMITTED), and takes no lock that would order them.
-# Paths that close a batch explicitly afterwards (an answer, a refusal, never sent, a job
-# read) are unaffected; with keys, the items' next begin_attempts closes the batch of any
-# earlier attempt of theirs. Without keys nothing does: a job batch refused by our own
-# count ("found the partner's job limit reached": another replica reserved the last
-# slot), one whose hold began before its token, and one held for probes stay open.
-KNOWN_LEFT_OPEN = pytest.mark.xfail(
-    raises=BatchesLeftOpen, strict=False,
-    reason="PostgreSQL, keys ignored: concurrent item settlements leave their batch open "
-           "(no close in the commit of the last one); see BatchesLeftOpen")
-
-
-@pytest.fixture
-def known_left_open(request: pytest.FixtureRequest, mode: Mode) -> None:
-    """Marks the cases the known bug can fail (keys ignored): that failure alone."""
-    if not mode.keys:
-        request.applymarker(KNOWN_LEFT_OPEN)
-
-
-@pytest.mark.usefixtures("known_left_open")
 @pytest.mark.parametrize("shape", list(SHAPES))
 async def test_batch_sigkill_storm_across_replicas(pg: Any, e2e: E2E, fault: Fault,
                                                    mode: Mode, shape: str) -> None:

@@ -60,9 +60,10 @@ def settled_by(m: Metrics) -> int:
                + m.get("cleanup_operations_total", outcome="already_absent"))
 
 
-async def role_holders(services: Sequence[Service]) -> dict[str, list[int]]:
-    """Which replicas (by index) hold each singleton role, from their /metrics."""
-    held: dict[str, list[int]] = {role: [] for role in SINGLETONS}
+async def role_holders(services: Sequence[Service],
+                       roles: Sequence[str] = SINGLETONS) -> dict[str, list[int]]:
+    """Which replicas (by index) hold each of ``roles``, from their /metrics."""
+    held: dict[str, list[int]] = {role: [] for role in roles}
     for i, svc in enumerate(services):
         if svc.current is None or svc.current.proc.returncode is not None:
             continue
@@ -70,10 +71,30 @@ async def role_holders(services: Sequence[Service]) -> dict[str, list[int]]:
             m = await svc.metrics()
         except aiohttp.ClientConnectionError:
             continue  # restarting: not listening yet
-        for role in SINGLETONS:
+        for role in roles:
             if m.get("cleanup_role_held", role=role) == 1:
                 held[role].append(i)
     return held
+
+
+def replicas_up(services: Sequence[Service], restarts: Sequence[asyncio.Task[Any]]) -> list[int]:
+    """The replicas (by index) running and not being restarted (a task named
+    ``start-<index>``)."""
+    return [i for i, s in enumerate(services) if s.current is not None
+            and s.current.proc.returncode is None
+            and not any(not t.done() and t.get_name() == f"start-{i}" for t in restarts)]
+
+
+async def some_replicas_up(services: Sequence[Service],
+                           restarts: Sequence[asyncio.Task[Any]]) -> list[int]:
+    """The replicas up now; when all are restarting (a busy machine starts them slowly),
+    once one is back, so a storm always has its kills."""
+    while not (up := replicas_up(services, restarts)):
+        done, _ = await asyncio.wait([t for t in restarts if not t.done()],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            t.result()  # a replica that could not start fails the case here
+    return up
 
 
 async def wait_roles_on(services: Sequence[Service], alive: set[int],

@@ -31,7 +31,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import pytest
 
 from supervisor.postgres.ledger import PostgresLedger
@@ -46,6 +45,7 @@ from tests.e2e.replica_harness import (
     metrics_of,
     role_holders,
     settle_run,
+    some_replicas_up,
 )
 
 pytestmark = pytest.mark.e2e
@@ -113,39 +113,6 @@ def _replica(e2e: E2E, sandbox: Sandbox, pg: Any, i: int, s: Shape,
     return svc
 
 
-def _up(services: list[FaultService], restarts: list[asyncio.Task[Any]]) -> list[int]:
-    return [i for i, s in enumerate(services) if s.current is not None
-            and s.current.proc.returncode is None
-            and not any(not t.done() and t.get_name() == f"start-{i}" for t in restarts)]
-
-
-async def _some_up(services: list[FaultService], restarts: list[asyncio.Task[Any]]
-                   ) -> list[int]:
-    """The replicas up now; when all are restarting (a busy machine starts them slowly),
-    once one is back, so the storm always has its kills."""
-    while not (up := _up(services, restarts)):
-        done, _ = await asyncio.wait([t for t in restarts if not t.done()],
-                                     return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            t.result()  # a replica that could not start fails the case here
-    return up
-
-
-async def _holders(services: list[FaultService]) -> set[int]:
-    """The replicas (by index) holding any of ROLES, from their /metrics."""
-    out = set()
-    for i, svc in enumerate(services):
-        if svc.current is None or svc.current.proc.returncode is not None:
-            continue
-        try:
-            m = await svc.metrics()
-        except aiohttp.ClientConnectionError:
-            continue  # restarting: not listening yet
-        if any(m.get("cleanup_role_held", role=r) == 1 for r in ROLES):
-            out.add(i)
-    return out
-
-
 class BatchesLeftOpen(AssertionError):
     """Batch rows the ledger still shows open once the run settled, every other check
     having held (what the storm first found: concurrent item settlements on PostgreSQL
@@ -170,12 +137,12 @@ async def test_batch_sigkill_storm_across_replicas(pg: Any, e2e: E2E, fault: Fau
     caught: Counter[str] = Counter()
     async with ledger_reader(pg.dsn, pg.schema) as ledger:
         for n, kind in enumerate(plan):
-            up = await _some_up(services, restarts)
+            up = await some_replicas_up(services, restarts)
             # Any replica up answers the run's state while the partner's counters move.
             if not await aim(kind, fault, sandbox, services[up[0]], run_id):
                 kind = "tail"
-            up = await _some_up(services, restarts)
-            holders = await _holders(services)
+            up = await some_replicas_up(services, restarts)
+            holders = {i for held in (await role_holders(services, ROLES)).values() for i in held}
             # Every third kill aims at a role holder: its roles must move.
             pool = [i for i in up if i in holders] if n % 3 == 0 else up
             victim = rng.choice(pool or up)

@@ -21,7 +21,14 @@ import pytest
 from tests.e2e.faults.harness import Fault, FaultService, Mode, fault_service
 from tests.e2e.harness import E2E
 from tests.e2e.ledger_file import UNRESOLVED
-from tests.e2e.replica_harness import SINGLETONS, ledger_reader, metrics_of, role_holders, settle_run
+from tests.e2e.replica_harness import (
+    SINGLETONS,
+    ledger_reader,
+    metrics_of,
+    role_holders,
+    settle_run,
+    some_replicas_up,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -44,12 +51,6 @@ def _replica(e2e: E2E, sandbox: Any, pg: Any, i: int, mode: Mode) -> FaultServic
     return svc
 
 
-def _up(services: list[FaultService], restarts: list[asyncio.Task[Any]]) -> list[int]:
-    return [i for i, s in enumerate(services) if s.current is not None
-            and s.current.proc.returncode is None
-            and not any(not t.done() and t.get_name() == f"start-{i}" for t in restarts)]
-
-
 async def test_sigkill_storm_across_replicas(pg: Any, e2e: E2E, fault: Fault,
                                              mode: Mode) -> None:
     rng = fault.rng
@@ -65,14 +66,9 @@ async def test_sigkill_storm_across_replicas(pg: Any, e2e: E2E, fault: Fault,
     caught: Counter[str] = Counter()
     for target in targets:
         await sandbox.wait(60, executions=target)
-        up = _up(services, restarts)
-        if not up:
-            # Every replica is still restarting (a busy machine starts them slowly): this
-            # kill waits for one to be back instead of being skipped, so the storm always
-            # has its KILLS.
-            await asyncio.wait([t for t in restarts if not t.done()],
-                               return_when=asyncio.FIRST_COMPLETED)
-            up = _up(services, restarts)
+        # Every replica may still be restarting (a busy machine starts them slowly): the
+        # kill then waits for one to be back instead of being skipped.
+        up = await some_replicas_up(services, restarts)
         held = await role_holders(services)
         holders = {h[0] for h in held.values() if h}
         # Every third kill aims at a role holder: its roles must move.

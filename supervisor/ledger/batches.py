@@ -3,7 +3,7 @@ once over either backend's statements, like the rest of the core."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from supervisor.ledger.driver import Row, Statements, Tx
@@ -34,6 +34,23 @@ class BatchBook:
 
     def _now(self) -> float:
         raise NotImplementedError
+
+    async def _close_batches(self, tx: Tx, now: float, batch_ids: Iterable[str] = (),
+                             of_operations: Sequence[str] = ()) -> None:
+        """Close the batches (named, or those the operations' attempts went out in) whose
+        last open attempt this transaction closed. Each batch's lock first: two
+        transactions closing a batch's last two attempts at once (PostgreSQL, READ
+        COMMITTED) would each see the other's still open and neither close it; in turn,
+        the later one's statement sees the earlier's commit."""
+        ids = set(batch_ids)
+        if of_operations:
+            ids.update(r[0] for r in await tx.fetch(self._sql.SELECT_OPEN_BATCHES_OF,
+                                                    list(of_operations)))
+        if not ids:
+            return
+        for batch_id in sorted(ids):  # one order everywhere: no deadlock between two
+            await tx.lock(f"batch:{batch_id}")
+        await tx.execute(self._sql.CLOSE_FINISHED_BATCHES, now, sorted(ids))
 
     async def record_batch(self, batch: Batch, members: Sequence[tuple[int, int]]) -> None:
         sql = self._sql

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
@@ -449,23 +449,6 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
         await self._record_events(tx, sql.INSERT_OPERATION_EVENT, settled, now)
         await self._close_batches(tx, now, {s.batch_id for s in settlements
                                             if s.batch_id is not None}, held)
-
-    async def _close_batches(self, tx: TxT, now: float, batch_ids: Iterable[str] = (),
-                             of_operations: Sequence[str] = ()) -> None:
-        """Close the batches (named, or those the operations' attempts went out in) whose
-        last open attempt this transaction closed. Each batch's lock first: two
-        transactions closing a batch's last two attempts at once (PostgreSQL, READ
-        COMMITTED) would each see the other's still open and neither close it; in turn,
-        the later one's statement sees the earlier's commit."""
-        ids = set(batch_ids)
-        if of_operations:
-            ids.update(r[0] for r in await tx.fetch(self._sql.SELECT_OPEN_BATCHES_OF,
-                                                    list(of_operations)))
-        if not ids:
-            return
-        for batch_id in sorted(ids):  # one order everywhere: no deadlock between two
-            await tx.lock(f"batch:{batch_id}")
-        await tx.execute(self._sql.CLOSE_FINISHED_BATCHES, now, sorted(ids))
 
     def _bookkeeping(self, s: Settlement, now: float) -> tuple[bool, float | None, bool, str]:
         """SETTLE_BOOKKEEPING's parameters: keep the lease, the retry's due time, clear the

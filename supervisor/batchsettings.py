@@ -44,12 +44,34 @@ class BatchConfig:
     cost: Cost = "requests"
     # "both" only: the partner's limit on ids per second.
     items_per_second: float = 0.0
-    # The answer: the array of per-id results, and each result's fields. A result's
-    # verdict is an HTTP status code (Graph, Box, Google's parts): 2xx deleted, 404/410
-    # already absent, 429 throttled, 408/409/5xx retryable, any other permanent.
+    # The answer: the array of per-id results ("": the answer is the array itself, as
+    # Salesforce's sObject Collections answers), and each result's fields.
     results_field: str = "results"
     item_id_field: str = "id"
+    # How a result is matched to the id it answers: by its ``item_id_field`` ("id"), or
+    # the i-th result to the i-th id sent ("position": Salesforce answers in request
+    # order and leaves the id out of some failures). "position" needs exactly one result
+    # per id sent; any other count holds every item ambiguous.
+    item_order: Literal["id", "position"] = "id"
+    # What a result's verdict is: an HTTP status code in ``item_status_field`` ("status":
+    # Graph, Box, Google's parts; 2xx deleted, 404/410 already absent, 429 throttled,
+    # 408/409/5xx retryable, any other permanent), or a boolean in ``item_success_field``
+    # with, when false, an array of error objects in ``item_errors_field`` whose first
+    # ``item_error_code_field`` says why ("success": Salesforce's DeleteResult).
+    item_verdict: Literal["status", "success"] = "status"
     item_status_field: str = "status"
+    item_success_field: str = "success"
+    item_errors_field: str = "errors"
+    item_error_code_field: str = "statusCode"
+    # "success" only: an unsuccessful item's code read as already absent (done, as a
+    # 404), retryable (as a 503), or throttled on its own (as an item's 429); any other
+    # code, or none, fails it permanently (as a 422). The defaults are Salesforce's
+    # StatusCode values: a record already deleted; a row lock or an outage;
+    # allOrNone's rollback of the items that did not fail themselves; the org's limit.
+    absent_codes: tuple[str, ...] = ("ENTITY_IS_DELETED", "NOT_FOUND")
+    retry_codes: tuple[str, ...] = ("UNABLE_TO_LOCK_ROW", "SERVER_UNAVAILABLE",
+                                    "ALL_OR_NONE_OPERATION_ROLLED_BACK")
+    throttled_codes: tuple[str, ...] = ("REQUEST_LIMIT_EXCEEDED",)
     # "accepted" partners: confirm each id with a probe (partner.probe_path). Settling
     # them unprobed trusts that an accepted batch deleted every id, which HubSpot's 204
     # ("regardless of the initial state") does not promise: silent misses go unseen.
@@ -107,4 +129,33 @@ class BatchConfig:
                        f"(batch.cost = {self.cost!r}); remove it or set batch.cost")
         if self.poll_max_seconds < self.poll_initial_seconds:
             out.append("batch.poll_max_seconds must be >= batch.poll_initial_seconds")
+        return out + self._verdict_problems()
+
+    def _verdict_problems(self) -> list[str]:
+        out: list[str] = []
+        fields = ["item_success_field", "item_errors_field", "item_error_code_field"] \
+            if self.item_verdict == "success" else ["item_status_field"]
+        if self.item_order == "id":
+            fields.insert(0, "item_id_field")
+        for key in fields:
+            if not getattr(self, key):
+                out.append(f"batch.{key} must not be empty (batch.item_verdict = "
+                           f"{self.item_verdict!r}, batch.item_order = {self.item_order!r})")
+        if self.shape == "job" and not self.results_field:
+            out.append("batch.results_field must name the job status's array of results "
+                       "(batch.shape = 'job')")
+        if self.item_order == "position" and self.shape == "job":
+            # The poller reads a finished job's results without the ids it sent.
+            out.append("batch.item_order = 'position' is not supported with batch.shape = "
+                       "'job': a job's results must carry their ids (batch.item_order = 'id')")
+        named: dict[str, str] = {}
+        for key in ("absent_codes", "retry_codes", "throttled_codes"):
+            for code in getattr(self, key):
+                if not code:
+                    out.append(f"batch.{key} holds an empty code")
+                elif code in named:
+                    out.append(f"batch.{key} and batch.{named[code]} both hold {code!r}: "
+                               "an item's code must mean one thing")
+                else:
+                    named[code] = key
         return out

@@ -14,7 +14,9 @@ from collections.abc import Mapping, Sequence
 from cleanup_sandbox.config import (
     BATCH_COSTS,
     BATCH_DUPLICATES,
+    BATCH_RESULT_IDS,
     BATCH_SHAPES,
+    BATCH_VERDICTS,
     RATELIMIT_HEADER_STYLES,
     RETRY_AFTER_FORMATS,
     WINDOWS,
@@ -123,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "second, on top of the rate limit; 0: none")
     b.add_argument("--batch-items-burst", type=float, default=d.batch_items_burst,
                    help="ids the item limit holds at once; 0: --batch-max-items")
+    b.add_argument("--batch-verdict", choices=BATCH_VERDICTS, default=d.batch_verdict,
+                   help="each result's verdict: an HTTP status, or Salesforce's "
+                   "{success, errors: [{statusCode}]}")
+    b.add_argument("--batch-result-ids", choices=BATCH_RESULT_IDS, default=d.batch_result_ids,
+                   help="omit-on-error: a result for an id not deleted carries id null "
+                   "(matched only by position)")
     return p
 
 
@@ -170,6 +178,8 @@ def config_from_args(
             batch_cost=args.batch_cost,
             batch_items_per_second=args.batch_items_per_second,
             batch_items_burst=args.batch_items_burst,
+            batch_verdict=args.batch_verdict,
+            batch_result_ids=args.batch_result_ids,
         )
     except ValueError as exc:
         parser.error(str(exc))

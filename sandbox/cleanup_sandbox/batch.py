@@ -12,6 +12,12 @@
 shape is configured, so a service on the defaults reaches every shape; the other two paths
 answer only their own shape, and every path answers 404 while batches are off.
 
+Each submission path takes ``POST``, ``DELETE`` or ``PUT``, and its ids in a JSON body
+(``{"ids": [...]}``), as a comma list in the query (``?ids=a,b``: SendGrid, Salesforce
+Collections) or comma-joined in the path (``/recipients/batch-delete/a,b``), as the
+service's ``batch.ids_in`` sends them. A result's verdict is an HTTP status, or with
+``batch_verdict = "success"`` Salesforce's ``{"success", "errors": [{"statusCode"}]}``.
+
 A job runs on the state's clock: item i of n is executed once ``(i + 1) / n`` of
 ``batch_job_seconds`` has passed, so a job is ``pending`` until its first item,
 ``running`` until its last, then terminal. Nothing ticks by itself: a middleware advances
@@ -27,6 +33,7 @@ import random
 import re
 import time
 from dataclasses import dataclass
+from urllib.parse import unquote, unquote_plus
 
 import orjson
 from aiohttp import web
@@ -55,6 +62,10 @@ JOBS_PATH = "/recipients/batch-jobs"
 
 # Float noise must not hold back an item due exactly now.
 _EPSILON = 1e-9
+# Salesforce's StatusCode for each status an item is answered with here: the record is
+# already gone, the org's request limit, an id the partner refuses for good.
+SALESFORCE_CODES = {404: "ENTITY_IS_DELETED", 429: "REQUEST_LIMIT_EXCEEDED",
+                    422: "INVALID_ID_FIELD"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +184,19 @@ class BatchPartner:
                 else:
                     status = self._execute(rid, key, fault)
                 statuses[rid] = status
-            results.append({"id": rid, "status": status})
+            results.append(self.result(rid, status))
         return results
+
+    def result(self, recipient_id: str, status: int) -> dict[str, object]:
+        """One item's result in the configured verdict format."""
+        config = self.config
+        done = 200 <= status < 300
+        shown = recipient_id if done or config.batch_result_ids == "always" else None
+        if config.batch_verdict == "status":
+            return {"id": shown, "status": status}
+        errors = [] if done else [{"statusCode": SALESFORCE_CODES[status],
+                                   "message": f"item answered as HTTP {status}", "fields": []}]
+        return {"id": shown, "success": done, "errors": errors}
 
     def archive(self, ids: tuple[str, ...], key: str | None, fault: AfterActFault | None) -> None:
         """accepted: every distinct id acted on, except the silent misses."""
@@ -259,9 +281,10 @@ class BatchPartner:
             "expires_at": math.floor(time.time() + expires_in),
         }
         if job.finished:
+            # Every status is known once the job has finished.
             view["results"] = [
-                {"id": rid, "status": status}
-                for rid, status in zip(job.ids, job.statuses, strict=True)
+                self.result(rid, status)
+                for rid, status in zip(job.ids, job.statuses, strict=True) if status is not None
             ]
         return view
 
@@ -290,13 +313,34 @@ def _authorise(request: web.Request, state: SandboxState) -> None:
         raise
 
 
+def _ids_in_url(request: web.Request) -> tuple[str, ...] | None:
+    """The ids comma-joined in the path (a route's ``{ids}``) or in the query's ``ids``;
+    None when the URL carries none. Split before decoding: an id may hold ``%2C``."""
+    if "ids" in request.match_info:
+        listed = [request.raw_path.partition("?")[0].rpartition("/")[2]]
+        ids = tuple(unquote(rid) for rid in listed[0].split(","))
+    else:
+        # A query decodes "+" as a space too (form encoding); a path keeps it.
+        pairs = (part.partition("=") for part in request.rel_url.raw_query_string.split("&"))
+        listed = [value for name, _, value in pairs if unquote_plus(name) == "ids"]
+        if not listed:
+            return None
+        ids = tuple(unquote_plus(rid) for value in listed for rid in value.split(","))
+    if not all(ids):
+        raise ClientError(400, "invalid_ids", "ids must be a comma list of non-empty ids")
+    return ids
+
+
 async def _read_body(request: web.Request) -> BatchBody:
+    in_url = _ids_in_url(request)
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ClientError(
             400, "body_too_large", f"body must be under {request.client_max_size} bytes"
         ) from None
+    if in_url is not None and not raw.strip():
+        return BatchBody(in_url, None)
     try:
         payload = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -304,6 +348,10 @@ async def _read_body(request: web.Request) -> BatchBody:
     if not isinstance(payload, dict):
         raise ClientError(400, "invalid_json", 'body must be a JSON object: {"ids": [...]}')
     ids = payload.get("ids")
+    if in_url is not None:
+        if ids is not None:
+            raise ClientError(400, "invalid_ids", "ids were sent both in the URL and the body")
+        ids = list(in_url)
     if not isinstance(ids, list) or not ids or not all(isinstance(rid, str) for rid in ids):
         raise ClientError(400, "invalid_ids", "ids must be a non-empty list of strings")
     tag = payload.get("tag")
@@ -496,12 +544,15 @@ async def advance_jobs(request: web.Request, handler: Handler) -> web.StreamResp
 
 
 def add_batch_routes(app: web.Application) -> None:
-    """Register the batch endpoints; call before ``/recipients/{recipient_id}`` routes."""
+    """Register the batch endpoints; call before ``/recipients/{recipient_id}`` routes
+    (a ``DELETE /recipients/batch-delete?ids=...`` is a batch, not a recipient)."""
     state = app[STATE_KEY]
     app[BATCH_KEY] = BatchPartner(state)
-    app.router.add_post(BATCH_PATH, batch_delete)
-    app.router.add_post(ARCHIVE_PATH, batch_archive)
-    app.router.add_post(JOBS_PATH, submit_job)
+    for path, handler in ((BATCH_PATH, batch_delete), (ARCHIVE_PATH, batch_archive),
+                          (JOBS_PATH, submit_job)):
+        for route in (path, path + "/{ids}"):
+            for method in ("POST", "DELETE", "PUT"):
+                app.router.add_route(method, route, handler)
     app.router.add_get(JOBS_PATH, job_lookup, allow_head=False)
     app.router.add_get(JOBS_PATH + "/{job_id}", job_status, allow_head=False)
     if state.config.batch_shape == "job":

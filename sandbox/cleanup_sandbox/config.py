@@ -18,10 +18,14 @@ RETRY_AFTER_FORMATS: tuple[RetryAfterFormat, ...] = ("seconds", "fractional", "h
 BatchShape = Literal["", "per_item", "accepted", "job"]
 BatchDuplicates = Literal["once", "error"]
 BatchCost = Literal["request", "item"]
+BatchVerdict = Literal["status", "success"]
+BatchResultIds = Literal["always", "omit-on-error"]
 
 BATCH_SHAPES: tuple[BatchShape, ...] = ("", "per_item", "accepted", "job")
 BATCH_DUPLICATES: tuple[BatchDuplicates, ...] = ("once", "error")
 BATCH_COSTS: tuple[BatchCost, ...] = ("request", "item")
+BATCH_VERDICTS: tuple[BatchVerdict, ...] = ("status", "success")
+BATCH_RESULT_IDS: tuple[BatchResultIds, ...] = ("always", "omit-on-error")
 RATELIMIT_HEADER_STYLES: tuple[RateLimitHeaders, ...] = (
     "none",
     "ietf",
@@ -148,6 +152,14 @@ class SandboxConfig:
     # is batch_items_burst ids, 0 meaning batch_max_items, so one full batch always fits.
     batch_items_per_second: float = 0.0
     batch_items_burst: float = 0.0
+    # Each per-item result's verdict (per_item answers and a finished job's results): an
+    # HTTP status ("status"), or Salesforce's DeleteResult ("success": success true, or
+    # false with errors [{"statusCode"}]: ENTITY_IS_DELETED for an absent id,
+    # REQUEST_LIMIT_EXCEEDED for a throttled one, INVALID_ID_FIELD for a failing one).
+    batch_verdict: BatchVerdict = "status"
+    # "omit-on-error": a result for an id not deleted carries "id": null, as Salesforce
+    # leaves the id out of some failures; only matching results by position reads them.
+    batch_result_ids: BatchResultIds = "always"
 
     @property
     def batch_items_capacity(self) -> float:
@@ -215,6 +227,12 @@ class SandboxConfig:
             object.__setattr__(self, "batch_cost", cost[:-1])
         elif cost not in BATCH_COSTS:
             raise ValueError(f"batch_cost must be one of {BATCH_COSTS}, got {cost!r}")
+        if self.batch_verdict not in BATCH_VERDICTS:
+            raise ValueError(
+                f"batch_verdict must be one of {BATCH_VERDICTS}, got {self.batch_verdict!r}")
+        if self.batch_result_ids not in BATCH_RESULT_IDS:
+            raise ValueError(f"batch_result_ids must be one of {BATCH_RESULT_IDS}, "
+                             f"got {self.batch_result_ids!r}")
         check_non_negative("batch_items_per_second", self.batch_items_per_second)
         check_non_negative("batch_items_burst", self.batch_items_burst)
         if 0.0 < self.batch_items_burst < 1.0:

@@ -45,6 +45,9 @@ class BatchAnswer:
     problem: str | None = None
     # Results for ids that were not sent (ignored, counted).
     strays: int = 0
+    # The partner's own reason for an item it did not delete, where its verdict is not
+    # a status (``item_verdict = "success"``): the code ``items`` maps onto a status.
+    codes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,7 @@ class JobState:
     expires_at: float | None = None
     items: dict[str, int] | None = None
     problem: str | None = None
+    codes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,32 +165,127 @@ class BatchClient:
                 return BatchAnswer(whole, job_ref=str(ref))
             return BatchAnswer(whole, problem=problem or
                                f"no {self.config.job_ref_field!r} in the answer")
-        items, strays, problem = self._items(doc, problem, ids)
-        return BatchAnswer(whole, items=items, problem=problem, strays=strays)
-
-    def _items(self, doc: Any, problem: str | None,
-               sent: Sequence[str]) -> tuple[dict[str, int] | None, int, str | None]:
         if problem is not None:
-            return None, 0, problem
+            return BatchAnswer(whole, problem=problem)
+        got = self._results(doc, ids)
+        return BatchAnswer(whole, items=got.items, problem=got.problem, strays=got.strays,
+                           codes=got.codes)
+
+    def _results(self, doc: Any, sent: Sequence[str]) -> _Results:
+        """Each item's verdict, read as the HTTP status the sender understands. An item
+        whose result cannot be read (or whose results disagree) has none, and the
+        answer's ``problem`` says why: it is held ambiguous, never taken for a success."""
         c = self.config
-        results = doc.get(c.results_field) if isinstance(doc, dict) else None
+        results = doc  # results_field "": the answer is the array (Salesforce's)
+        if c.results_field:
+            results = doc.get(c.results_field) if isinstance(doc, dict) else None
         if not isinstance(results, list):
-            return None, 0, f"no {c.results_field!r} array in the answer"
-        wanted, strays = set(sent), 0
+            where = f"{c.results_field!r} array" if c.results_field else "array of results"
+            return _Results(None, problem=f"no {where} in the answer")
+        notes: list[str] = []
+        strays = 0
+        if c.item_order == "position":
+            if len(results) != len(sent):
+                return _Results({}, problem=f"{len(results)} results for {len(sent)} ids "
+                                "sent: not matched by position; every item held ambiguous")
+            pairs = list(zip(sent, results, strict=True))
+            disorder = self._out_of_order(pairs)
+            if disorder:
+                return _Results({}, problem=disorder)
+        else:
+            pairs, strays = self._by_id(results, set(sent), notes)
+        got: dict[str, list[tuple[int, str] | None]] = {}
+        for rid, entry in pairs:
+            verdict = None
+            try:
+                verdict = self._verdict(entry)
+            except _Unreadable as exc:
+                notes.append(f"the result for {rid!r}: {exc}")
+            got.setdefault(rid, []).append(verdict)
         items: dict[str, int] = {}
-        for entry in results:
-            if not isinstance(entry, dict):
-                continue
-            rid, status = entry.get(c.item_id_field), entry.get(c.item_status_field)
-            if not isinstance(rid, str) or isinstance(status, bool) \
-                    or not isinstance(status, int) or not 100 <= status <= 599:
-                continue  # unreadable: the item counts as having no result
-            if rid not in wanted:
+        codes: dict[str, str] = {}
+        for rid, verdicts in got.items():
+            if len(verdicts) > 1:
+                # Two verdicts for one id: the partner's truth is unknown unless they
+                # agree, and a probe finds it out.
+                agree = None not in verdicts and len(set(verdicts)) == 1
+                notes.append(f"{len(verdicts)} results for {rid!r}"
+                             + ("" if agree else " that disagree: it has none"))
+                if not agree:
+                    continue
+            if verdicts[0] is not None:
+                items[rid], code = verdicts[0]
+                if code:
+                    codes[rid] = code
+        return _Results(items, codes, strays, _summary(notes))
+
+    def _by_id(self, results: list[Any], wanted: set[str],
+               notes: list[str]) -> tuple[list[tuple[str, Any]], int]:
+        """The results naming an id sent, and how many named one that was not."""
+        field_, pairs, strays = self.config.item_id_field, [], 0
+        for i, entry in enumerate(results):
+            rid = entry.get(field_) if isinstance(entry, dict) else None
+            if not isinstance(rid, str):
+                notes.append(f"result {i} has no {field_!r} string: {_brief(entry)}")
+            elif rid not in wanted:
                 strays += 1
-                continue
-            # A duplicate result keeps the first: the partner's own order is its truth.
-            items.setdefault(rid, status)
-        return items, strays, None
+            else:
+                pairs.append((rid, entry))
+        return pairs, strays
+
+    def _out_of_order(self, pairs: list[tuple[str, Any]]) -> str | None:
+        """Why results matched by position cannot be trusted: one names another id than
+        the one sent in its place (a partner that leaves ids out may still give some)."""
+        for i, (rid, entry) in enumerate(pairs):
+            named = entry.get(self.config.item_id_field) if isinstance(entry, dict) else None
+            if isinstance(named, str) and not _same_id(named, rid):
+                return (f"result {i} names {named!r} where {rid!r} was sent: not in "
+                        "request order; every item held ambiguous")
+        return None
+
+    def _verdict(self, entry: Any) -> tuple[int, str]:
+        """One result's HTTP-like status, and the partner's code when it gave one."""
+        c = self.config
+        if not isinstance(entry, dict):
+            raise _Unreadable(f"not an object: {_brief(entry)}")
+        if c.item_verdict == "status":
+            status = entry.get(c.item_status_field)
+            if isinstance(status, bool) or not isinstance(status, int) \
+                    or not 100 <= status <= 599:
+                raise _Unreadable(f"{c.item_status_field!r} is not an HTTP status: "
+                                  f"{_brief(status)}")
+            return status, ""
+        success = entry.get(c.item_success_field)
+        if not isinstance(success, bool):
+            raise _Unreadable(f"{c.item_success_field!r} is not a boolean: {_brief(success)}")
+        if success:
+            return 200, ""
+        errors = entry.get(c.item_errors_field)
+        if errors is None:
+            errors = []
+        if not isinstance(errors, list):
+            raise _Unreadable(f"{c.item_errors_field!r} is not an array: {_brief(errors)}")
+        found = []
+        for error in errors:
+            if not isinstance(error, dict):
+                raise _Unreadable(f"{c.item_errors_field!r} holds a non-object: "
+                                  f"{_brief(error)}")
+            code = error.get(c.item_error_code_field)
+            if not isinstance(code, str | None):
+                raise _Unreadable(f"{c.item_error_code_field!r} is not a string: "
+                                  f"{_brief(code)}")
+            if code:
+                found.append(code)
+        # The first code decides (Salesforce lists an item's cause first); no code at all
+        # is a failure nobody can explain, so not one to retry.
+        code = found[0] if found else ""
+        if code in c.absent_codes:
+            return 404, code
+        if code in c.retry_codes:
+            return 503, code
+        if code in c.throttled_codes:
+            return 429, code
+        return 422, code
 
     async def poll(self, job_ref: str) -> JobState:
         path = self.config.job_path.replace("{job_id}", quote(job_ref, safe=""))
@@ -208,9 +307,11 @@ class BatchClient:
         expires = _finite(doc.get(c.job_expires_field))
         if status not in c.job_done_values:
             return JobState(whole, status=status, progress=progress, expires_at=expires)
-        items, _, problem = self._items(doc, None, list(_result_ids(doc, c)))
+        # A job's results are read by the ids they name: nothing here knows what was sent.
+        got = self._results(doc, _result_ids(doc, c))
         return JobState(whole, done=True, status=status, progress=progress,
-                        expires_at=expires, items=items, problem=problem)
+                        expires_at=expires, items=got.items, problem=got.problem,
+                        codes=got.codes)
 
     async def lookup(self, batch_id: str) -> Lookup:
         """The job our batch ID tagged, found by the partner's listing."""
@@ -253,3 +354,33 @@ def _result_ids(doc: dict[str, Any], c: BatchConfig) -> list[str]:
         return []
     return [e[c.item_id_field] for e in results
             if isinstance(e, dict) and isinstance(e.get(c.item_id_field), str)]
+
+
+class _Unreadable(ValueError):
+    """A result whose verdict cannot be read: its item has no result."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Results:
+    items: dict[str, int] | None
+    codes: dict[str, str] = field(default_factory=dict)
+    strays: int = 0
+    problem: str | None = None
+
+
+def _summary(notes: list[str]) -> str | None:
+    if not notes:
+        return None
+    more = f" (and {len(notes) - 3} more)" if len(notes) > 3 else ""
+    return "; ".join(notes[:3]) + more
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _same_id(named: str, sent: str) -> bool:
+    # Salesforce answers an id sent in its 15-character form with the 18-character one
+    # (the same id and a 3-character case-safe suffix).
+    return named == sent or (len(sent) == 15 and len(named) == 18 and named.startswith(sent))

@@ -263,3 +263,73 @@ async def test_short_lived_results_are_read_before_they_expire(e2e: E2E) -> None
         details = await _attempt_details(svc, run["id"], state)
         assert all(d.startswith(("item HTTP 200 in batch bat_", "item HTTP 404 in batch bat_"))
                    for d in details), details
+
+
+# -- verdicts that are not statuses, ids outside the body ---------------------------------
+
+_PATHS = {"per_item": "/recipients/batch-delete", "accepted": "/recipients/batch-archive",
+          "job": "/recipients/batch-jobs"}
+
+
+async def test_salesforce_style_verdicts_matched_by_position_settle_each_item(
+        e2e: E2E) -> None:
+    # sObject Collections: HTTP 200 whatever each item did, {success, errors} per item in
+    # request order, no id on a failure: only position matches those. Throttled items
+    # (REQUEST_LIMIT_EXCEEDED) are sent again, failing ones (INVALID_ID_FIELD) fail,
+    # absent ones (ENTITY_IS_DELETED) are done; none is left to a probe.
+    sandbox = await e2e.sandbox("--recipients", N, "--rate", 200, "--batch", "per_item",
+                                "--batch-verdict", "success",
+                                "--batch-result-ids", "omit-on-error",
+                                "--batch-item-throttle-share", 0.1,
+                                "--batch-item-error-share", 0.03)
+    svc = _service(e2e, sandbox, "per_item", item_verdict="success", item_order="position")
+    run = await _drain(svc)
+    stats = await sandbox.stats()
+    c = run["counts"]
+    assert c["ambiguous"] == 0, run
+    assert c["deleted"] == stats["deleted"] > 0, (run, stats)
+    assert c["failed"] == stats["batch_item_errors"] > 0, (run, stats)
+    assert c["already_absent"] == N - stats["deleted"] - stats["batch_item_errors"] > 0, \
+        (run, stats)
+    assert c["already_absent"] <= stats["initially_absent"], (run, stats)
+    assert stats["present"] <= c["failed"], (run, stats)
+    assert stats["batch_item_throttled"] > 0, stats
+    assert stats["duplicates"] == 0, stats
+    m = await svc.metrics()
+    assert sum(v for (name, _), v in m.samples.items() if name == "cleanup_probes_total") == 0
+    for state, status in (("failed", 422), ("already_absent", 404)):
+        details = await _attempt_details(svc, run["id"], state)
+        assert all(d.startswith(f"item HTTP {status} in batch bat_") for d in details), details
+
+
+@pytest.mark.parametrize("shape", ["per_item", "accepted", "job"])
+async def test_ids_in_the_query_drain(e2e: E2E, shape: str) -> None:
+    # SendGrid's and Salesforce's DELETE ?ids=a,b: no body but a job's tag.
+    sandbox = await e2e.sandbox("--recipients", 200, "--rate", 500, "--batch", shape,
+                                "--batch-job-seconds", 0.3)
+    svc = _service(e2e, sandbox, shape, rate=400.0, ids_in="query", method="DELETE")
+    await _drained_alone(svc, sandbox, shape, 200)
+
+
+@pytest.mark.parametrize("shape", ["per_item", "accepted", "job"])
+async def test_ids_in_the_path_drain(e2e: E2E, shape: str) -> None:
+    sandbox = await e2e.sandbox("--recipients", 200, "--rate", 500, "--batch", shape,
+                                "--batch-job-seconds", 0.3)
+    svc = _service(e2e, sandbox, shape, rate=400.0, ids_in="path",
+                   path=_PATHS[shape] + "/{ids}")
+    await _drained_alone(svc, sandbox, shape, 200)
+
+
+async def _drained_alone(svc: Service, sandbox: Sandbox, shape: str, n: int) -> None:
+    """Every recipient gone, each executed once, in batches (the partner answers a
+    batch without its ids 400: the ids reached it where the service put them)."""
+    run = await _drain(svc)
+    stats = await sandbox.stats()
+    c = run["counts"]
+    assert c["deleted"] + c["already_absent"] == n, run
+    assert stats["present"] == 0, stats
+    # An accepted batch's absent ids are settled by a probe that finds them gone.
+    deleted = n - stats["initially_absent"] if shape == "accepted" else c["deleted"]
+    assert stats["deleted"] == deleted, (run, stats)
+    assert stats["duplicates"] == 0, stats
+    assert n / 50 <= stats["batch_requests"] < n / 10, stats

@@ -573,3 +573,32 @@ def test_two_limits_need_the_ids_limit_and_only_two_limits_read_it(tmp_path: Pat
     assert (cfg.batch.cost, cfg.batch.items_per_second) == ("both", 500.0)
     found = problems_of(write(tmp_path, "[batch]\ncost = 'all'\n"), TOKEN_ENV)
     assert any("batch.cost" in p for p in found), found
+
+
+def test_verdicts_that_are_not_statuses_are_checked_key_by_key(tmp_path: Path) -> None:
+    salesforce = ("[batch]\nshape = 'per_item'\nmethod = 'DELETE'\nids_in = 'query'\n"
+                  "results_field = ''\nitem_order = 'position'\nitem_verdict = 'success'\n")
+    cfg = config.load(write(tmp_path, salesforce), environ=TOKEN_ENV).batch
+    assert (cfg.item_verdict, cfg.item_order, cfg.item_success_field, cfg.item_errors_field,
+            cfg.item_error_code_field) == ("success", "position", "success", "errors",
+                                           "statusCode")
+    assert "ENTITY_IS_DELETED" in cfg.absent_codes
+    assert "UNABLE_TO_LOCK_ROW" in cfg.retry_codes
+    assert cfg.throttled_codes == ("REQUEST_LIMIT_EXCEEDED",)
+    bad = ("[batch]\nshape = 'job'\nitem_verdict = 'success'\nitem_order = 'position'\n"
+           "results_field = ''\nitem_success_field = ''\nabsent_codes = ['X', '']\n"
+           "retry_codes = ['X']\n")
+    found = problems_of(write(tmp_path, bad), TOKEN_ENV)
+    for wanted in ("batch.item_success_field must not be empty",
+                   "batch.item_order = 'position' is not supported with batch.shape = 'job'",
+                   "batch.results_field must name the job status's array of results",
+                   "batch.absent_codes holds an empty code",
+                   "batch.retry_codes and batch.absent_codes both hold 'X'"):
+        assert any(wanted in p for p in found), (wanted, found)
+    found = problems_of(write(tmp_path, "[batch]\nitem_verdict = 'bool'\nitem_order = 'index'\n"
+                              "throttled_codes = 'REQUEST_LIMIT_EXCEEDED'\n"), TOKEN_ENV)
+    for key in ("batch.item_verdict", "batch.item_order", "batch.throttled_codes"):
+        assert any(p.startswith(key) for p in found), (key, found)
+    # By id, the id field is what matches a result: it cannot be empty.
+    found = problems_of(write(tmp_path, "[batch]\nitem_id_field = ''\n"), TOKEN_ENV)
+    assert any("batch.item_id_field must not be empty" in p for p in found), found

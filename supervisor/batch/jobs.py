@@ -131,8 +131,12 @@ class JobPoller:
             self.learn(job, state.expires_at, time.time())
             members = await self._open_members(job)
             ops = await self._ops(members)
+            if state.problem:
+                log.warning("batch job %s (%s): %s", job.job_ref, job.id, state.problem,
+                            extra={"action": "batch_answer_problem"})
             rulings = [(m, rule_result(self.config.partner, job.id, state.items,
-                                       m.recipient_id, state.whole, ops[m.operation_id].attempts))
+                                       m.recipient_id, state.whole, ops[m.operation_id].attempts,
+                                       state.codes))
                        for m in members if m.operation_id in ops]
             await self._settle(job, rulings, ops)
             await self.ledger.update_batch(job.id, "closed", polled=True,

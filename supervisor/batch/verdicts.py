@@ -28,8 +28,11 @@ class Ruling:
     refund: bool = False
 
 
-def item_answer(batch_id: str, status: int, whole: Answer) -> Answer:
-    return Answer(classify(status, None), status, f"item HTTP {status} in batch {batch_id}",
+def item_answer(batch_id: str, status: int, whole: Answer, code: str | None = None) -> Answer:
+    """An item's verdict as an answer; ``code``, the partner's own (Salesforce's
+    ENTITY_IS_DELETED), is what the audit trail names beside the status it maps to."""
+    said = f"item {code} (HTTP {status})" if code else f"item HTTP {status}"
+    return Answer(classify(status, None), status, f"{said} in batch {batch_id}",
                   elapsed_s=whole.elapsed_s)
 
 
@@ -44,14 +47,15 @@ def rule(p: PartnerConfig, answer: Answer, attempts: int) -> Ruling:
 
 
 def rule_result(p: PartnerConfig, batch_id: str, items: dict[str, int] | None,
-                recipient_id: str, whole: Answer, attempts: int) -> Ruling:
+                recipient_id: str, whole: Answer, attempts: int,
+                codes: dict[str, str] | None = None) -> Ruling:
     """A per-item answer (or a finished job's results) for one item."""
     status = None if items is None else items.get(recipient_id)
     if status is None:
         missing = Answer(Verdict.AMBIGUOUS, whole.status,
                          f"batch {batch_id} answered with no result for it")
         return Ruling(OpState.AMBIGUOUS, f"{missing.detail}; not resent", missing)
-    answer = item_answer(batch_id, status, whole)
+    answer = item_answer(batch_id, status, whole, (codes or {}).get(recipient_id))
     if answer.verdict is Verdict.THROTTLED:
         # Throttled on its own (Graph's inner 429): an attempt like any retryable one,
         # backed off and counted, so an item the partner keeps refusing ends failed

@@ -477,12 +477,13 @@ class BatchSender:
             await self._handed_to_poller(batch, items, None, answer.problem)
             return
         elif answer.problem is not None or self.batch.shape == "per_item":
-            if answer.strays:
-                log.warning("batch %s: %d results for ids not sent, ignored", batch.id,
-                            answer.strays)
+            if answer.strays or answer.problem:
+                log.warning("batch %s: %s%d results for ids not sent, ignored", batch.id,
+                            f"{answer.problem}; " if answer.problem else "", answer.strays,
+                            extra={"action": "batch_answer_problem"})
             rulings = [rule_result(self.config.partner, batch.id, answer.items,
-                                   it.op.recipient_id, whole, it.op.attempts + 1)
-                       for it in items]
+                                   it.op.recipient_id, whole, it.op.attempts + 1,
+                                   answer.codes) for it in items]
         elif self.batch.shape == "job":
             await self._handed_to_poller(batch, items, answer.job_ref, None)
             return

@@ -65,6 +65,7 @@ class Item:
     task: asyncio.Task[None] | None = None
     done: asyncio.Future[Result] | None = None
     attempt_id: int | None = None
+    held_until: float = 0.0  # wall clock: its attempt's hold runs out no sooner
 
     def resolve(self, result: Result) -> None:
         if self.done is not None and not self.done.done():
@@ -311,6 +312,9 @@ class BatchSender:
         members whose attempt is no longer their delivery's."""
         claims = [(it.op.id, it.attempt_id or 0, it.delivery.receipt) for it in members
                   if it.delivery is not None]
+        if not self.ledger.peers_may_take_over and all(
+                it.held_until > time.time() + self.owned.cover_s for it in members):
+            return set()  # one process: no hold with time left can have been lost
         return {c[0] for c in claims} - await self.owned.still_owned(claims)
 
     async def _guarded_open(self, admission: Admission,
@@ -362,7 +366,10 @@ class BatchSender:
         for it in items:
             assert it.delivery is not None
             starts.append((it.op.id, it.delivery.receipt))
-        found = await self.ledger.begin_attempts(starts, "delete", self._hold_s(len(items)))
+        hold_s = self._hold_s(len(items))
+        for it in items:
+            it.held_until = time.time() + hold_s
+        found = await self.ledger.begin_attempts(starts, "delete", hold_s)
         out: list[Action | None] = []
         for it, got in zip(items, found, strict=True):
             if isinstance(got, int):
@@ -395,8 +402,10 @@ class BatchSender:
     async def _begin(self, it: Item) -> Action | None:
         assert it.delivery is not None
         try:
+            hold_s = self._hold_s(1)
+            it.held_until = time.time() + hold_s
             it.attempt_id = await self.ledger.begin_attempt(
-                it.op.id, "delete", owner=it.delivery.receipt, busy_s=self._hold_s(1),
+                it.op.id, "delete", owner=it.delivery.receipt, busy_s=hold_s,
                 supersedes_open=self.config.partner.idempotency_keys)
             return None
         except OperationBusy as exc:

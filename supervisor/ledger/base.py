@@ -68,6 +68,12 @@ class Ledger(BatchRecords, Protocol):
     def healthy(self) -> bool:
         """False while the last write failed (disk full, locked, read-only)."""
 
+    @property
+    def peers_may_take_over(self) -> bool:
+        """True where other processes may release this one's holds before they run out
+        (replicas declaring it dead): a hold with time left must still be read before
+        a request leaves. False where a hold lapses only with time (one process)."""
+
     async def open_run(self, tick_key: str, schedule: str, scheduled_for: float | None,
                        source: Mapping[str, Any], skip_if_unfinished: bool,
                        reuse_within_s: float | None = None) -> OpenRunResult:

@@ -135,6 +135,9 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
     def healthy(self) -> bool:
         return self._storage.healthy
 
+    # Each backend says; one process's ledger (SQLite) has no peers.
+    peers_may_take_over = False
+
     # -- runs --------------------------------------------------------------------------
 
     async def open_run(self, tick_key: str, schedule: str, scheduled_for: float | None,

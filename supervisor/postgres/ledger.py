@@ -60,6 +60,9 @@ class PostgresLedger(LedgerCore[PgTx]):
     """:class:`~supervisor.ledger.base.Ledger` and
     :class:`~supervisor.ledger.base.EventOutbox` on one :class:`PgDatabase`."""
 
+    # A replica declared dead has its holds released by whichever survivor notices.
+    peers_may_take_over = True
+
     def __init__(self, db: PgDatabase, owns_queue: bool, fence_s: float = 2.5,
                  dead_after_s: float | None = None) -> None:
         super().__init__(db, sql, owns_queue, holder=db.replica)

@@ -331,3 +331,38 @@ class TestRateBudgetContract:
 async def _unpaused(budget: RateBudget, hold_s: float = 0.0) -> Grant:
     """A grant while a pause is in force (what a request sent just before it got)."""
     return Grant(at=time.time() - hold_s)
+
+
+async def test_two_limits_on_postgresql_are_two_shared_rows(pg: PgSchema) -> None:
+    # As composition builds them for replicas: a requests' budget and an ids' budget,
+    # each a shared row of its own. A 429 blamed on the ids cuts the ids' row only, and
+    # the next replica to start finds the ids' limit learnt and the requests' untouched.
+    pool = await create_pool(pg.dsn, pg.schema, min_size=1, max_size=4)
+    await migrate(pool, pg.schema, MIGRATIONS)
+    limits = _limits(rate_per_second=20.0)
+    made: list[PostgresBudget] = []
+
+    def pair() -> TwoLimits:
+        budgets = [PostgresBudget(lim, key=key, pool=pool, dsn=pg.dsn, schema=pg.schema)
+                   for lim, key in ((limits, "http://partner"),
+                                    (item_limits(limits, 500.0), "http://partner#items"))]
+        made.extend(budgets)
+        return TwoLimits(*budgets)
+
+    try:
+        first = pair()
+        await first.start()
+        # 100 ids a batch: the ids allow 5 batches a second, under 20: they bind.
+        first.release(await first.acquire(100), Feedback(Outcome.THROTTLED, 0.01))
+        assert first.items.snapshot().state.w_max is not None
+        assert first.requests.snapshot().state.w_max is None
+        await first.save()
+        second = pair()
+        await second.start()
+        assert second.items.snapshot().rate < 500.0
+        assert second.items.snapshot().state.w_max is not None
+        assert second.requests.snapshot().state.w_max is None
+    finally:
+        for budget in made:
+            await budget.close()
+        await pool.close()

@@ -5,7 +5,7 @@
 #   make unit     every test but the end-to-end suite (unit, contract, integration,
 #                 sandbox; PostgreSQL included): the tests marked e2e left out
 #   make test     everything: lint, types, import contracts and every test (e2e and the
-#                 fault suite included, 12-13 minutes)
+#                 fault suite included, about 25 minutes)
 #   make lint | typecheck | imports   one check each
 PYTHON ?= python3
 VENV ?= .venv

@@ -389,7 +389,9 @@ class BatchSender:
         (a per-item cost takes k tokens each), so that no other delivery takes an
         operation over while its batch waits to leave."""
         rate = max(self.budget.snapshot().rate, self.config.limits.floor_per_second)
-        per_batch = self._cost(k) / rate if self.batch.cost != "both" else 1 / rate
+        # The requests' budget: k tokens where it counts ids, else one (also under two
+        # limits, whose ids' budget is waited on beside it).
+        per_batch = (k if self.batch.cost == "items" else 1) / rate
         if isinstance(self.budget, TwoLimits):
             per_batch = max(per_batch, k / max(self.budget.items.snapshot().rate, 1e-3))
         return self._busy_s + self.config.limits.concurrency * per_batch

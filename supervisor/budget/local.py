@@ -1,15 +1,10 @@
-"""The in-process rate budget: the policy's state, an aiolimiter bucket, the concurrency
-limit and the quotas, for every worker of one process.
+"""The in-process rate budget: the policy's state, a precise pacer, the concurrency limit
+and the quotas, for every worker of one process.
 
-aiolimiter cannot change its rate at runtime (aiolimiter#98), so :func:`tune_bucket` sets
-the bucket's rate and capacity in place and re-arms its timer, so waiters already queued
-drain at the new rate; it is the one place that touches aiolimiter's internals, and
-tests/unit/test_budget_local.py guards it against them changing.
-
-Pacing modes: *tolerant* (capacity ``limits.burst``, a little over one token) catches up
-after a late wake-up, so the average is the rate even with the event loop's millisecond
-timers; *strict* (capacity 1, once the partner refused a request at the top) never lets
-two requests closer than 1/rate, at the price of the wake-up lateness.
+Pacing modes (:mod:`supervisor.budget.pacer`): *tolerant* (``limits.burst``, a little over
+one token) keeps an absolute schedule and catches up after a late wake-up, so the average
+is the rate; *strict* (once the partner refused a request at the top) never lets two
+requests leave closer than 1/rate. A new rate reaches the waiters already queued.
 """
 
 from __future__ import annotations
@@ -22,12 +17,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from aiolimiter import AsyncLimiter
-
 from supervisor.budget import policy
 from supervisor.budget.announced import PACE_WINDOW_S, Announced
 from supervisor.budget.base import Admission, Grant, QuotaView, Snapshot
 from supervisor.budget.feedback import PolicyChange, PolicyFeedback, shown
+from supervisor.budget.pacer import Pacer
 from supervisor.budget.policy import BudgetState, PolicyConfig
 from supervisor.budget.quota import RollingQuota
 from supervisor.budget.settings import LimitsConfig
@@ -35,41 +29,13 @@ from supervisor.budget.slots import Slots
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PACE_WINDOW_S", "LocalBudget", "charge", "tune_bucket"]
+__all__ = ["PACE_WINDOW_S", "LocalBudget"]
 
 
 class MemoryStore(Protocol):
     async def load_budget(self, key: str) -> dict[str, Any] | None: ...
 
     async def save_budget(self, key: str, data: dict[str, Any]) -> None: ...
-
-
-def tune_bucket(bucket: AsyncLimiter, rate: float, capacity: float, empty: bool = False) -> None:
-    """Set ``bucket`` to ``rate`` per second and ``capacity`` tokens in place; ``empty``
-    leaves no token, so the next grant waits a full period."""
-    bucket._leak()
-    # A batch's tokens charged beyond the capacity (charge()) are owed whatever the rate.
-    owed = max(0.0, bucket._level - bucket.max_rate)
-    bucket.max_rate = capacity
-    bucket.time_period = capacity / rate
-    bucket._rate_per_sec = rate
-    if empty:
-        bucket._level = capacity + owed
-    else:
-        bucket._level = min(bucket._level - owed, capacity) + owed
-    bucket._wake_next()  # re-arm the timer of the waiter at the head with the new rate
-
-
-async def charge(bucket: AsyncLimiter, tokens: int) -> None:
-    """Take ``tokens`` in a row, as that many acquisitions one after the other would,
-    in two waits: the first token, then the rest charged at once (nobody else gets a
-    token before they have leaked) and waited out. One wait per token was the pace's
-    own limit at hundreds of ids a second (each timer wakes late)."""
-    await bucket.acquire()
-    if tokens > 1:
-        bucket._leak()
-        bucket._level += tokens - 1
-        await bucket.acquire(0)  # until the level is back within the capacity
 
 
 class LocalBudget(PolicyFeedback):
@@ -84,10 +50,9 @@ class LocalBudget(PolicyFeedback):
         self._store = store
         self._clock = clock
         self._state = policy.initial(self.cfg)
-        self._bucket: AsyncLimiter | None = None
-        self._costly = asyncio.Lock()  # one batch's tokens at a time (grant's cost)
+        self._pacer: Pacer | None = None
         self._changed: asyncio.Event | None = None
-        self._emptied_for = 0.0  # the pause whose end has emptied the bucket
+        self._emptied_for = 0.0  # the pause whose end has emptied the pacer
         self._slots = Slots(limits.concurrency, timeout_s)
         self._quotas = [RollingQuota(q.name, q.limit, q.period_seconds) for q in limits.quotas]
         self._announced = Announced(max_pause_s)
@@ -142,14 +107,14 @@ class LocalBudget(PolicyFeedback):
 
     # -- pacing ----------------------------------------------------------------------
 
-    def _ensure(self) -> tuple[AsyncLimiter, asyncio.Event]:
-        if self._bucket is None or self._changed is None:
-            self._bucket = AsyncLimiter(self._capacity(), self._capacity() / self._state.rate)
+    def _ensure(self) -> tuple[Pacer, asyncio.Event]:
+        if self._pacer is None or self._changed is None:
+            self._pacer = Pacer(self._state.rate, self._tolerance())
             self._changed = asyncio.Event()
-        return self._bucket, self._changed
+        return self._pacer, self._changed
 
-    def _capacity(self) -> float:
-        return 1.0 if self._state.strict else self._burst
+    def _tolerance(self) -> float:
+        return Pacer.tolerance(self._state.rate, self._burst, self._state.strict)
 
     def _held_until(self, now: float) -> tuple[float, str]:
         until, reason = self._state.paused_until, self._state.pause_reason
@@ -186,18 +151,12 @@ class LocalBudget(PolicyFeedback):
         if admission.spent:
             raise RuntimeError("LocalBudget.grant: this admission was spent already")
         admission.spent = True
-        bucket, _ = self._ensure()
+        pacer, _ = self._ensure()
         try:
             if not self._held_until(self._clock())[0]:
-                # One token at a time: a strict bucket holds one, and a batch's cost must
-                # be paced as that many requests would be, not taken in one burst. One
-                # batch's tokens in a row: two batches taking theirs in turn would both
-                # leave at the end, their ids arriving at once.
-                if cost > 1:
-                    async with self._costly:
-                        await charge(bucket, cost)
-                else:
-                    await bucket.acquire()
+                # A batch's cost is paced as that many requests in a row would be, not
+                # taken in one burst.
+                await pacer.take(cost)
                 now = self._clock()
                 if not self._held_until(now)[0]:
                     for q in self._quotas:
@@ -237,8 +196,8 @@ class LocalBudget(PolicyFeedback):
             self._save_soon()
 
     def _tune(self, empty: bool = False) -> None:
-        if self._bucket is not None:
-            tune_bucket(self._bucket, self._state.rate, self._capacity(), empty)
+        if self._pacer is not None:
+            self._pacer.tune(self._state.rate, self._tolerance(), empty)
 
     def snapshot(self) -> Snapshot:
         now = self._clock()

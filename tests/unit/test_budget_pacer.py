@@ -1,0 +1,89 @@
+"""The precise pacer: strict spacing measured from actual departures, an absolute schedule
+when tolerant, a new rate reaching the waiters already queued, a batch's tokens in a row.
+Real event loop, real monotonic clock, short waits, generous bounds on the slow side."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from supervisor.budget.pacer import Pacer
+
+
+async def departures(pacer: Pacer, n: int, cost: int = 1) -> list[float]:
+    return [await pacer.take(cost) for _ in range(n)]
+
+
+async def test_strict_never_lets_two_leave_closer_than_the_interval() -> None:
+    pacer = Pacer(200.0, 0.0)
+    times = await departures(pacer, 30)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert min(gaps) >= 1 / 200
+
+
+async def test_strict_spacing_counts_from_the_late_departure_not_the_schedule() -> None:
+    pacer = Pacer(100.0, 0.0)
+    first = await pacer.take()
+    # The caller comes back late (a busy loop): the next still waits a whole interval
+    # after it, since a bucket of one earned nothing more for the lateness.
+    time.sleep(0.025)  # noqa: ASYNC251 - a blocked event loop, on purpose
+    late = await pacer.take()
+    after = await pacer.take()
+    assert late - first >= 0.025
+    assert after - late >= 0.01
+
+
+async def test_tolerant_pacing_makes_up_a_late_departure() -> None:
+    # Tolerance of one whole interval: after a stall, the next request leaves at once.
+    pacer = Pacer(100.0, 0.01)
+    await pacer.take()
+    await pacer.take()
+    time.sleep(0.015)  # noqa: ASYNC251 - a blocked event loop, on purpose
+    stalled = time.monotonic()
+    caught_up = await pacer.take()
+    assert caught_up - stalled < 0.005
+
+
+async def test_a_new_rate_reaches_waiters_already_queued() -> None:
+    pacer = Pacer(1.0, 0.0)  # one a second
+    await pacer.take()
+    waiters = [asyncio.create_task(pacer.take()) for _ in range(5)]
+    await asyncio.sleep(0)
+    started = time.monotonic()
+    pacer.tune(200.0, 0.0)
+    await asyncio.wait_for(asyncio.gather(*waiters), 2.0)
+    assert time.monotonic() - started < 1.0  # at 1/s they would take 5 s
+
+
+async def test_a_cut_slows_the_waiter_at_the_head() -> None:
+    pacer = Pacer(200.0, 0.0)
+    first = await pacer.take()
+    waiter = asyncio.create_task(pacer.take())
+    await asyncio.sleep(0)
+    pacer.tune(20.0, 0.0)  # the owed part of the interval now lasts ten times as long
+    second = await waiter
+    assert second - first >= 0.04
+
+
+async def test_empty_leaves_no_catch_up() -> None:
+    pacer = Pacer(50.0, 0.02)
+    pacer.tune(50.0, 0.02, empty=True)
+    emptied = time.monotonic()
+    first = await pacer.take()
+    assert first - emptied >= 0.02
+
+
+async def test_a_batch_leaves_when_its_last_token_would_have() -> None:
+    pacer = Pacer(100.0, 0.0)
+    start = await pacer.take()
+    batch = await pacer.take(cost=5)  # five requests in a row: the last one 5 intervals on
+    single = await pacer.take()
+    assert batch - start >= 0.05
+    assert single - batch >= 0.01
+
+
+def test_tolerance_is_the_burst_beyond_one_token() -> None:
+    assert Pacer.tolerance(50.0, 1.25, strict=False) == 0.25 / 50
+    assert Pacer.tolerance(50.0, 1.25, strict=True) == 0.0
+    assert Pacer.tolerance(50.0, 1.0, strict=False) == 0.0

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from matrix import best, worst
 from paths import OUT, REPO
+from repeats import Runs, best_cell, by_cell, runs_of, worst_cell
 from scenario import Result, Scenario, follow_delay, gauge_applies, misses, pause_excess
 
 
@@ -46,6 +46,15 @@ def _wall(r: Result) -> str:
 
 def _ratio(r: Result) -> str:
     return "—" if r.ratio is None else f"{r.ratio:.3f}" + ("" if r.finished else " (proj.)")
+
+
+def _oracle_ratio(r: Result) -> str:
+    return ("—" if r.oracle_ratio is None
+            else f"{r.oracle_ratio:.3f}" + ("" if r.finished else " (proj.)"))
+
+
+def _oracle_rate(r: Result) -> str:
+    return "—" if r.oracle_rate is None else f"{r.oracle_rate:g}"
 
 
 def _verdict(r: Result, sc: Scenario | None) -> str:
@@ -77,7 +86,10 @@ def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _columns(sc: Scenario) -> list[str]:
-    cols = ["cell", "tool", "wall s", "ideal s", "ratio", "429 share", "requests", "dups",
+    # Over a cell's K runs: the mean ratio and the worst run's, their spread (max - min);
+    # every other figure is the worst run's.
+    cols = ["cell", "tool", "runs", "wall s", "ideal s", "ratio mean", "ratio worst", "spread",
+            "oracle /s", "vs oracle mean", "vs oracle worst", "429 share", "requests", "dups",
             "req. in announced wait"]
     if sc.pauses:
         cols += ["req. in pause", "beyond in-flight"]
@@ -86,12 +98,18 @@ def _columns(sc: Scenario) -> list[str]:
     return [*cols, "peak RSS MB", "target", "notes"]
 
 
-def _cells(r: Result, sc: Scenario) -> list[str]:
-    row = [r.cell, r.tool, _wall(r), _f(r.ideal_s, ".1f"), _ratio(r), _f(r.share_429, ".2%"),
+def _cells(g: Runs, sc: Scenario) -> list[str]:
+    r = g.worst
+    row = [r.cell, r.tool, str(g.count), _wall(r), _f(r.ideal_s, ".1f"),
+           _f(g.mean_ratio, ".3f"), _ratio(r), _f(g.spread, ".3f"), _oracle_rate(r),
+           _f(g.mean_oracle_ratio, ".3f"), _oracle_ratio(r), _f(r.share_429, ".2%"),
            f"{r.requests:,}", str(r.duplicates), str(r.requests_during_announced_wait)]
     if sc.pauses:
         row += [str(r.requests_during_pause), str(pause_excess(r, sc))]
-    notes = r.notes
+    notes = list(r.notes)
+    if g.count > 1:
+        notes.insert(0, f"worst: run {r.extra['repeat']} of {g.count}" if "repeat" in r.extra
+                     else f"worst of {g.count} runs")
     if sc.rate_changes:
         row += [_delays(r, "drop"), _delays(r, "recovery")]
         notes = [n for n in notes if not n.startswith("limit ")]
@@ -99,13 +117,14 @@ def _cells(r: Result, sc: Scenario) -> list[str]:
 
 
 def _worst_best(rows: Sequence[Result]) -> str:
+    """The worst and the best cell, each ranked on its worst run."""
     def name(r: Result | None) -> str:
         if r is None:
             return "—"
-        return (f"**{r.cell}** (ratio {_f(r.ratio, '.3f')}, 429 share "
-                f"{_f(r.share_429, '.2%')})")
+        return (f"**{r.cell}** (ratio {_f(r.ratio, '.3f')}, vs oracle "
+                f"{_f(r.oracle_ratio, '.3f')}, 429 share {_f(r.share_429, '.2%')})")
 
-    return f"worst: {name(worst(rows))}; best: {name(best(rows))}"
+    return f"worst: {name(worst_cell(rows))}; best: {name(best_cell(rows))}"
 
 
 def scenario_section(sc: Scenario, rows: Sequence[Result]) -> str:
@@ -129,10 +148,10 @@ def scenario_section(sc: Scenario, rows: Sequence[Result]) -> str:
     peers = [r for r in rows if r.tool != "service"]
     cols = _columns(sc)
     if service:
-        parts += [_md(cols, [_cells(r, sc) for r in service]), _worst_best(service)]
+        parts += [_md(cols, [_cells(g, sc) for g in by_cell(service)]), _worst_best(service)]
     if peers:
         parts += ["peers (the default cell and the service's worst):",
-                  _md(cols, [_cells(r, sc) for r in peers])]
+                  _md(cols, [_cells(g, sc) for g in by_cell(peers)])]
         for tool in dict.fromkeys(r.tool for r in peers):
             parts.append(f"{tool}: " + _worst_best([r for r in peers if r.tool == tool]))
     return "\n\n".join(parts)
@@ -144,16 +163,37 @@ def summary(groups: Sequence[tuple[Scenario, list[Result]]]) -> str:
     for sc, results in groups:
         for tool in dict.fromkeys(r.tool for r in results):
             mine = [r for r in results if r.tool == tool]
-            bad, good = worst(mine), best(mine)
+            bad, good = worst_cell(mine), best_cell(mine)
             if bad is None:
                 continue
-            rows.append([sc.name, tool, str(len(mine)), bad.cell, _ratio(bad),
-                         _f(bad.share_429, ".2%"), str(bad.requests_during_announced_wait),
+            runs = runs_of(mine, bad)
+            rows.append([sc.name, tool, str(len(by_cell(mine))), str(runs.count), bad.cell,
+                         _ratio(bad), _f(runs.mean_ratio, ".3f"), _f(runs.spread, ".3f"),
+                         _oracle_ratio(bad), _f(bad.share_429, ".2%"),
+                         str(bad.requests_during_announced_wait),
                          good.cell if good else "—", _ratio(good) if good else "—",
                          _verdict(bad, sc), sc.target.describe()])
-    return _md(["scenario", "tool", "cells", "worst cell", "ratio", "429 share",
+    return _md(["scenario", "tool", "cells", "runs", "worst cell", "ratio (worst run)",
+                "mean", "spread", "vs oracle (worst run)", "429 share",
                 "req. in announced wait", "best cell", "ratio", "worst cell vs target",
                 "target"], rows)
+
+
+def oracle_table(results: Sequence[Result]) -> str | None:
+    """The oracle's pace per cell (bench/oracle.py), from the rows that carry it."""
+    seen: dict[tuple[str, float], dict[str, Any]] = {}
+    for r in results:
+        o = r.extra.get("oracle")
+        if o and o.get("rate"):
+            seen.setdefault((r.cell, float(o.get("partner_rate") or 0)), o)
+    if not seen:
+        return None
+    rows = [[cell, f"{rate:g}", f"{o['rate']:g}", _f(o["rate"] / rate if rate else None, ".1%"),
+             _f(o.get("n"), ","), str(o.get("trials", "—")), _f(o.get("late_p99_ms"), ".2f"),
+             _f(o.get("cpu_share"), ".1%"), str(o.get("measured", "—"))]
+            for (cell, rate), o in seen.items()]
+    return _md(["cell", "R /s", "oracle /s", "of R", "trial N", "trials",
+                "departures late p99 ms", "oracle CPU (of a core)", "measured"], rows)
 
 
 # -- the flat table (own-partner scenarios, growth) ----------------------------------------
@@ -195,7 +235,13 @@ def tables(results: Sequence[Result]) -> str:
     parts = []
     if groups:
         parts += ["Worst cell per scenario and tool (worst = highest ratio, then highest "
-                  "429 share):", summary(groups)]
+                  "429 share, of each cell's worst run; ratio = wall / (N / R, pauses "
+                  "added); vs oracle = wall / the oracle's time, bench/oracle.py):",
+                  summary(groups)]
+        oracles = oracle_table(results)
+        if oracles:
+            parts += ["The oracle per cell: the fastest pace with no 429 in a whole run on "
+                      "this machine (cached in bench/out/oracle.json):", oracles]
         parts += [scenario_section(sc, rows) for sc, rows in groups]
     if flat:
         parts += (["### scenarios with a partner of their own, and growth"] if groups else [])
@@ -245,6 +291,9 @@ def preamble(env: dict[str, Any], limits: dict[str, Any] | None,
     if options.get("quick"):
         lines.append("**QUICK RUN: N and times scaled by 0.2 (a smoke run; not figures to "
                      "report, the targets are not meant for it)**")
+    if (options.get("repeat") or 1) > 1:
+        lines.append(f"every matrix cell's service run {options['repeat']} times: mean, worst "
+                     "run and spread (max - min of the ratio); the ranking is the worst run's")
     if options.get("rate") is not None:
         lines.append(f"matrix scenarios at R = {options['rate']:g}/s over cells "
                      + ", ".join(options.get("cells", [])))

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from drivers import claim_redis_db, have_tool, run_celery, run_cron, run_service
-from matrix import Cell, best, peer_cells, worst
+from matrix import Cell, peer_cells
 from paths import LOGS, PEERS, TOOLS
 from processes import host_busy_cpu_s, self_cpu_s
+from repeats import best_cell, worst_cell
 from report import describe
 from scenario import Result, Scenario, new_result
 
@@ -26,9 +27,10 @@ FOREIGN_LOAD_NOTE = 0.3  # cores used by processes outside the bench that earn a
 START_OVERHEAD_S = 3.0  # partner + service started and stopped: measured 1-2 s, with room
 
 
-async def run_tool(sc: Scenario, tool: str,
-                   overrides: dict[str, dict[str, Any]]) -> list[Result]:
-    """One run of ``tool``: its rows (the service: one per reported tick; a peer: one)."""
+async def run_tool(sc: Scenario, tool: str, overrides: dict[str, dict[str, Any]],
+                   repeat: tuple[int, int] | None = None) -> list[Result]:
+    """One run of ``tool``: its rows (the service: one per reported tick; a peer: one);
+    ``repeat``: (i, K) for run i of the K of this cell (``--repeat``)."""
     LOGS.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     busy0 = host_busy_cpu_s()
@@ -53,6 +55,8 @@ async def run_tool(sc: Scenario, tool: str,
     own = sum(r.extra.get("own_cpu_s", 0.0) for r in results) + self_cpu_s() - self0
     foreign = max(0.0, (busy1 - busy0) - own) / harness_s
     for result in results:
+        if repeat is not None:
+            result.extra.update(repeat=repeat[0], repeats=repeat[1])
         result.extra.update(harness_s=harness_s, host_busy_cores=(busy1 - busy0) / harness_s,
                             foreign_cores=foreign)
         if foreign > FOREIGN_LOAD_NOTE and harness_s >= 3.0:  # shorter: start-up noise
@@ -64,6 +68,7 @@ async def run_tool(sc: Scenario, tool: str,
         if sc.unlimited and result.projected_s:
             result.notes.insert(0, f"{result.n / result.projected_s:,.0f} ops/s end to end")
         tick = f"#{result.extra['tick']}" if "run" in result.extra else ""
+        tick += f" {repeat[0]}/{repeat[1]}" if repeat is not None and repeat[1] > 1 else ""
         print(f"  {result.scenario:<20} {sc.cell.name:<12} {tool + tick:<10} "
               f"{describe(result)}", file=sys.stderr, flush=True)
     return results
@@ -71,8 +76,12 @@ async def run_tool(sc: Scenario, tool: str,
 
 async def run_matrix(sc: Scenario, cells: Sequence[Cell], tools: Sequence[str],
                      overrides: dict[str, dict[str, Any]], explicit_cells: bool,
-                     ) -> list[Result]:
-    """The service over ``cells``, then the peers on the default and the worst cell.
+                     repeat: int = 1) -> list[Result]:
+    """The service over ``cells`` ``repeat`` times, then the peers (once) on the default
+    and the worst cell (that of the worst run).
+
+    The repeats go round the cells (every cell once, then again), so a spell of load on
+    the host lands on one run of several cells rather than on every run of one.
 
     A multi-tick scenario with a row per tick (hidden-limit-memory, whose tick 1 is the
     hidden-limit row) is one service run per cell; the peers run its first tick's
@@ -80,13 +89,14 @@ async def run_matrix(sc: Scenario, cells: Sequence[Cell], tools: Sequence[str],
     """
     results = []
     if "service" in tools:
-        for cell in cells:
-            results += await run_tool(sc.on(cell), "service", overrides)
+        for i in range(1, repeat + 1):
+            for cell in cells:
+                results += await run_tool(sc.on(cell), "service", overrides, (i, repeat))
     service_rows = list(results)
     for name in sc.row_names:
         rows = [r for r in service_rows if r.scenario == name]
         if rows:
-            bad, good = worst(rows), best(rows)
+            bad, good = worst_cell(rows), best_cell(rows)
             print(f"  {name}: worst cell {bad.cell if bad else '—'}, "
                   f"best cell {good.cell if good else '—'}", file=sys.stderr, flush=True)
     peers = [t for t in tools if t in PEERS]
@@ -107,7 +117,8 @@ async def run_matrix(sc: Scenario, cells: Sequence[Cell], tools: Sequence[str],
 
 async def run_scenarios(scenarios: Sequence[Scenario], tools: Sequence[str],
                         overrides: dict[str, dict[str, Any]], cells: Sequence[Cell],
-                        explicit_cells: bool = False) -> list[Result]:
+                        explicit_cells: bool = False, repeat: int = 1) -> list[Result]:
+    """Every scenario in turn; a matrix one's service runs ``repeat`` times per cell."""
     results = []
     for sc in scenarios:
         where = (f"{len(cells)} cell(s)" if sc.matrix else f"its own partner ({sc.cell.describe()})")
@@ -119,7 +130,7 @@ async def run_scenarios(scenarios: Sequence[Scenario], tools: Sequence[str],
               + (" [quick: not for reporting]" if sc.quick else ""),
               file=sys.stderr, flush=True)
         if sc.matrix:
-            results += await run_matrix(sc, cells, tools, overrides, explicit_cells)
+            results += await run_matrix(sc, cells, tools, overrides, explicit_cells, repeat)
         else:
             # A scenario about the service's own queue transport, or about how it reads the
             # partner's headers, has no peer row.
@@ -147,16 +158,17 @@ def selected_tools(spec: str) -> list[str]:
 
 
 def estimate_s(scenarios: Sequence[Scenario], tools: Sequence[str],
-               cells: Sequence[Cell]) -> tuple[float, int]:
+               cells: Sequence[Cell], repeat: int = 1) -> tuple[float, int]:
     """Seconds a run should take if every tool is near its ideal (peers: their budget),
     and how many runs it makes (a multi-tick service run counts once)."""
     total, runs = 0.0, 0
     for sc in scenarios:
         ideal = sc.ideal_s() or 10.0
         n_cells = len(cells) if sc.matrix else 1
+        k = repeat if sc.matrix else 1
         if "service" in tools:
-            total += n_cells * sc.ticks * (1.05 * ideal + START_OVERHEAD_S)
-            runs += n_cells
+            total += k * n_cells * sc.ticks * (1.05 * ideal + START_OVERHEAD_S)
+            runs += k * n_cells
         peer_sc = sc.peer_scenario
         if peer_sc is None or sc.queue != "sqlite" or sc.service_only:
             continue

@@ -164,6 +164,21 @@ class Scenario:
             done += rate * (end - start) if rate > 0 else 0.0
         raise AssertionError("unreachable: the last segment is unbounded")
 
+    def at_rate(self, rate: float) -> Scenario:
+        """The same scenario for a partner whose limit is ``rate`` where this one says R:
+        every rate (R and each change) scaled by rate / R, the pauses and times unchanged."""
+        if self.unlimited:
+            return self
+        f = rate / self.partner_rate
+        return replace(self, partner_rate=rate, events=tuple(
+            replace(e, rate_per_second=None if e.rate_per_second is None
+                    else e.rate_per_second * f) for e in self.events))
+
+    def oracle_s(self, rate: float) -> float | None:
+        """What a client pacing at ``rate`` (the oracle's rate for R, on this machine)
+        needs: the ideal with every rate scaled by rate / R, pauses added unchanged."""
+        return self.at_rate(rate).ideal_s() if rate > 0 else None
+
     def budget_s(self, tool: str) -> float:
         ideal = self.ideal_s() or 10.0
         factor, extra = (self.service_budget if tool == "service" else
@@ -258,6 +273,22 @@ class Result:
     def share_429(self) -> float | None:
         return self.rate_limited / self.requests if self.requests else None
 
+    @property
+    def oracle_ratio(self) -> float | None:
+        """Wall (or its projection) against the oracle's time for this scenario and cell:
+        how far from what this machine can do without a 429 (bench/oracle.py)."""
+        t = self.projected_s
+        oracle = self.extra.get("oracle") or {}
+        oracle_s = oracle.get("s")
+        if t is None or not oracle_s:
+            return None
+        return float(t / oracle_s)
+
+    @property
+    def oracle_rate(self) -> float | None:
+        rate = (self.extra.get("oracle") or {}).get("rate")
+        return None if rate is None else float(rate)
+
     def scenario_spec(self) -> Scenario | None:
         """The scenario this row was measured with, as saved in it."""
         spec = self.extra.get("scenario")
@@ -266,7 +297,7 @@ class Result:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(finished=self.finished, ratio=self.ratio, share_429=self.share_429,
-                 projected_s=self.projected_s)
+                 projected_s=self.projected_s, oracle_ratio=self.oracle_ratio)
         return d
 
 

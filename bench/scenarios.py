@@ -35,6 +35,7 @@ from dataclasses import replace
 from typing import Any
 
 from matrix import DIALECT_CELLS, Cell, select_cells
+from oracle import attach
 from paths import OUT, TOOLS
 from processes import parse_overrides
 from report import environment, preamble, save, tables
@@ -237,6 +238,7 @@ def main(names: Sequence[str], argv: Sequence[str] | None = None) -> int:
     start = environment()
     results = asyncio.run(run_scenarios(scenarios, tools, parse_overrides(args.overrides),
                                         cells, explicit_cells=bool(args.cells)))
+    attach(results)  # the cached oracle of each cell (python bench/oracle.py measures it)
     print(report(results, names[0] if len(names) == 1 else "scenarios", start, options(args)))
     scraped = [n for sc in scenarios if sc.scrape for n in sc.row_names]
     if scraped:

@@ -29,7 +29,11 @@ The policy, and why:
   says the limit lies just under the rate that failed: the plateau moves to 0.97 of it
   (never under the old plateau, which held) and the next probe takes twice as long (up to
   ``max_probe_s``), so a stable limit is probed ever more rarely while a moved one is still
-  found. Throttled on that plateau, it steps down another 3 %, not by a deep cut.
+  found. Throttled on that plateau after it held, it steps down another 3 %, not by a deep
+  cut, and the next probe is not put off (a close arrival is not a failed probe); throttled
+  on it as soon as it resumed, the limit moved down: a cut, then halving. A cut resets the
+  probe's length, so a limit that drops and comes back is found again within
+  ``recovery_s + probe_s``.
 * **One cut per episode**: a 429 for a request granted before the last cut was sent at
   the old rate and is already accounted for.
 * **Retry-After pauses everyone** until then (the caller applies it to every worker); a
@@ -73,7 +77,10 @@ VERIFIED_AFTER = 2.0
 AT_TOP = 0.98
 # A 429 without Retry-After: pause everyone this long, doubling per 429 in a row.
 BLIND_BASE_S = 0.1
-BLIND_MAX_S = 10.0
+# ...up to this: a partner closed for a while without saying how long is probed by one
+# request at most this often, so a run resumes at most this long after it reopens (a
+# backoff that kept doubling overshot a 3 s storm by 3 s).
+BLIND_MAX_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,21 +327,30 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
         # step below it (no lower than the plateau, which held); the next probe waits
         # twice as long.
         return _settle(cfg, s, max(plateau, rate * PROBE_BACK), now)
+    if rate <= s.cut_to * NEAR and resumed_s < FAR_WITHIN_S:
+        # The level we settled on, refused again as soon as we resumed: not a close
+        # arrival but a limit that moved down. Cut; refused again at once, halve.
+        return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
     if rate <= s.cut_to * NEAR:
         # The level we settled on was refused after holding a while: a partner that
         # refuses close arrivals (a bucket of one token) at a rate it otherwise takes.
-        # Pace strictly first; already strict, a step lower.
+        # Pace strictly first; already strict, a step lower. Neither is a failed probe:
+        # the next probe comes no later than it would have.
         if not s.strict:
-            return _settle(cfg, replace(s, strict=True), min(rate, top(cfg, s)), now)
-        return _settle(cfg, s, rate * PROBE_BACK, now)
+            return _settle(cfg, replace(s, strict=True), min(rate, top(cfg, s)), now,
+                           probe_s=s.probe_s)
+        return _settle(cfg, s, rate * PROBE_BACK, now, probe_s=s.probe_s)
     # Throttled while climbing back to the plateau: the plateau itself is too high.
     return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
 
 
-def _settle(cfg: PolicyConfig, s: BudgetState, w_max: float, now: float) -> BudgetState:
+def _settle(cfg: PolicyConfig, s: BudgetState, w_max: float, now: float,
+            probe_s: float | None = None) -> BudgetState:
+    """Settle at ``w_max``; the next probe takes ``probe_s`` (default: twice as long)."""
     w_max = max(cfg.floor, w_max)
+    probe_s = min(cfg.max_probe_s, s.probe_s * 2) if probe_s is None else probe_s
     return replace(s, rate=w_max, w_max=w_max, cut_to=w_max, cut_at=now, learnt_at=now,
-                   probe_s=min(cfg.max_probe_s, s.probe_s * 2), last_cut="probe")
+                   probe_s=probe_s, last_cut="probe")
 
 
 def _lower(cfg: PolicyConfig, s: BudgetState, cut_to: float, w_max: float,

@@ -252,11 +252,16 @@ def test_429s_without_retry_after_and_nothing_accepted_back_off_without_cutting_
     s = replace_rate(initial(c), 60.0)
     s = step(c, s, Throttle(T0 - 0.01, None), T0)
     cut = s.rate
+    pauses = []
     for _ in range(5):
         now = s.paused_until
         s = step(c, s, Throttle(now, None), now + 0.001)
         assert s.rate == cut
-    assert s.paused_until - (now + 0.001) == pytest.approx(policy.BLIND_BASE_S * 2 ** 5)
+        pauses.append(s.paused_until - (now + 0.001))
+    # Growing, then one probe every BLIND_MAX_S: never far past the end of the storm.
+    assert pauses[0] == pytest.approx(policy.BLIND_BASE_S * 2)
+    assert pauses[1] > pauses[0]
+    assert pauses[-1] == pytest.approx(policy.BLIND_MAX_S)
 
 
 def test_no_pause_ends_later_than_the_longest_pause_after_it_began() -> None:
@@ -289,3 +294,31 @@ def test_resume_lifts_the_pause_and_forgets_only_when_asked() -> None:
     forgot = step(c, s, policy.Resume(forget_limit=True), T0 + 1)
     assert forgot == replace(initial(c), resumed_at=T0 + 1)
     assert remembered(c, forgot, T0 + 2).paused_until == 0.0
+
+
+def test_refused_on_the_settled_level_as_soon_as_it_resumed_is_a_drop_not_a_close_arrival(
+) -> None:
+    # The limit moved down under a plateau that held: a cut (and halving after it), not
+    # a 3 % step per 429 and a Retry-After pause each.
+    c = cfg(probe_seconds=12.0, recovery_seconds=8.0)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 0.5), T0)
+    s = step(c, s, Success(), T0 + 16.0)
+    s = step(c, s, Throttle(T0 + 16.0, 1.0), T0 + 16.0)  # a failed probe: settled
+    settled = s.rate
+    s = step(c, s, Throttle(T0 + 17.1, 1.0), T0 + 17.1)  # 0.1 s after the pause ended
+    assert s.last_cut == "lower"
+    assert s.rate == pytest.approx(settled * c.decrease_factor)
+    s = step(c, s, Throttle(T0 + 18.2, 1.0), T0 + 18.2)  # and again at once: far below
+    assert s.rate == pytest.approx(settled * c.decrease_factor * policy.HALVE)
+
+
+def test_a_close_arrival_on_the_settled_level_does_not_put_the_next_probe_off() -> None:
+    c = cfg(probe_seconds=12.0, recovery_seconds=8.0)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 0.5), T0)
+    s = step(c, s, Success(), T0 + 16.0)
+    s = step(c, s, Throttle(T0 + 16.0, 0.5), T0 + 16.0)
+    probe_s = s.probe_s
+    s = step(c, s, Throttle(T0 + 30.0, 0.5), T0 + 30.0)  # held 14 s, then refused
+    assert s.strict
+    s = step(c, s, Throttle(T0 + 40.0, 0.5), T0 + 40.0)
+    assert s.probe_s == probe_s

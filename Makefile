@@ -48,7 +48,8 @@ unit: $(STAMP)
 test: lint typecheck imports
 	$(BIN)/pytest tests -q
 
-# Not part of `test`: about 29 minutes (8 partner cells x 4 runs, peers on 2 cells, growth);
+# Not part of `test`: about 73 minutes (8 partner cells x 4 scenarios x 3 runs each, the
+# oracle of each cell the first time, peers on 2 cells, growth; BENCH_ARGS=--repeat 1: 29);
 # bench/infrai.py (17 min) and bench/history.py (1 min) run on their own;
 # the Celery peer needs Redis on 127.0.0.1:6379.
 bench: $(STAMP)

@@ -32,9 +32,9 @@ class LimitsConfig:
     rate_per_second: float = 20.0
     # The most requests in flight; the in-flight limit follows the partner's latency below it.
     concurrency: int = 8
-    # Tokens the bucket may hold: a little over one, so a late timer wake-up is caught up
-    # without ever sending two requests back to back (aiolimiter#298: a bucket as large as
-    # the rate lets about twice the limit through in one window).
+    # Tokens the pacer may hold: a little over one, so a late departure is caught up
+    # without ever sending two requests back to back (a bucket as large as the rate lets
+    # about twice the limit through in one window: aiolimiter#298).
     burst: float = 1.25
     # Pace this fraction under a limit we know (the ceiling, an announced one).
     headroom: float = 0.01
@@ -70,8 +70,8 @@ class LimitsConfig:
                         "memory_half_life_seconds")
         if self.long_pause_seconds < 0:
             out.append(f"limits.long_pause_seconds must be >= 0, got {self.long_pause_seconds}")
-        # Every acquisition takes one whole token: a bucket that can never hold one would
-        # make aiolimiter refuse every acquire (ValueError), crashing every worker.
+        # Every acquisition takes one whole token: a bucket that can never hold one could
+        # never grant anything.
         if not self.burst >= 1:
             out.append(f"limits.burst must be >= 1, got {self.burst}")
         for name in ("decrease_factor",):

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import math
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from supervisor.budget.pacer import PreciseSleep
 from supervisor.budget.policy import BudgetState
 
 # A reservation covers at most this much time at the rate: replicas interleave in blocks
@@ -75,6 +75,7 @@ class SlotBook:
         self._granted: deque[float] = deque(maxlen=4096)  # this replica's recent grants
         self.lag = 0.0  # a reservation's round trip, as expected
         self.reservations = 0
+        self._sleep = PreciseSleep(clock)  # a slot is left on time, to the tenth of a ms
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -151,11 +152,8 @@ class SlotBook:
         """Sleep until the slot; False when it is void by then, or was overslept (a late
         wake-up delays a request, it does not let it bunch with the next ones)."""
         try:
-            while gen == self.gen and (delay := at - self._clock()) > 0:
-                voided = self._voided
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(delay):
-                        await voided.wait()
+            while gen == self.gen and at - self._clock() > 0:
+                await self._sleep.until(at, self._voided)
         except asyncio.CancelledError:
             if gen == self.gen and not self.stale(at, self._clock()):
                 bisect.insort(self._slots, at)  # unused: another worker takes it

@@ -169,7 +169,7 @@ probe_path = "/probe"
     ('[source]\nkind = "http"', "source.url is required when source.kind = 'http'"),
     ('[source]\nkind = "http"\nurl = "file:///etc/passwd"', "source.url must be an http(s) URL"),
     ("[source]\nmax_page_retries = -1", "source.max_page_retries must be >= 0, got -1"),
-    # aiolimiter refuses to acquire one token from a bucket that cannot hold one.
+    # Every grant takes one whole token: a bucket that cannot hold one never grants.
     ("[limits]\nburst = 0.5", "limits.burst must be >= 1, got 0.5"),
     ("[limits]\nburst = 0", "limits.burst must be >= 1, got 0.0"),
     ("[limits]\nrate_per_second = 1\nfloor_per_second = 2",

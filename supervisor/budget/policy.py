@@ -31,15 +31,17 @@ The policy, and why:
   ``max_probe_s``), so a stable limit is probed ever more rarely while a moved one is still
   found. Throttled on that plateau after it held, it steps down another 3 %, not by a deep
   cut, and the next probe is not put off (a close arrival is not a failed probe); throttled
-  on it as soon as it resumed, the limit moved down: a cut, then halving. A cut resets the
+  on it as soon as it resumed twice in a row, the limit moved down: a cut, then halving. A cut resets the
   probe's length, so a limit that drops and comes back is found again within
   ``recovery_s + probe_s``.
 * **One cut per episode**: a 429 for a request granted before the last cut was sent at
   the old rate and is already accounted for.
 * **Retry-After pauses everyone** until then (the caller applies it to every worker); a
-  429 without one pauses everyone for our own backoff, 0.1 s doubling per 429 in a row. A
-  pause of ``long_pause_s`` or more (0 = never) is the partner's own pause (maintenance,
-  a window), not a rate signal: the rate is kept.
+  429 without one pauses everyone for our own backoff, 0.1 s doubling per 429 in a row up
+  to 0.5 s, after which one request probes whether the partner is open again; refused again
+  with nothing accepted between, the partner is closed (a storm), not slower, and the cut
+  the first 429 made is undone. A pause of ``long_pause_s`` or more (0 = never) is the
+  partner's own pause (maintenance, a window), not a rate signal: the rate is kept.
 * **Every pause is bounded**: none ends later than ``max_pause_s``
   (``partner.max_retry_after_seconds``) from when it began, whatever a header said.
 * **An operator can lift a pause** (:class:`Resume`), and with it forget what was learnt:
@@ -133,6 +135,10 @@ class BudgetState:
     last_cut: str = ""  # edge | lower | probe: what the last 429 was taken for
     verified: float | None = None  # a plateau that held for 2 x recovery_s: memory trusts it
     resumed_at: float = 0.0  # when an operator last lifted the pause: older holds are void
+    quick: int = 0  # cuts in a row, each refused within FAR_WITHIN_S of resuming
+    # What a 429 without Retry-After cut, as it was: restored if the next request is
+    # refused too with nothing accepted between (a storm, not a limit).
+    uncut: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -268,8 +274,8 @@ def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
 
 
 def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
-    if s.blind:
-        s = replace(s, blind=0)
+    if s.blind or s.uncut is not None:
+        s = replace(s, blind=0, uncut=None)  # accepted after the backoff: the cut holds
     if (s.w_max is not None and s.verified != s.w_max
             and now - s.cut_at >= VERIFIED_AFTER * cfg.recovery_s):
         s = replace(s, verified=s.w_max)
@@ -287,8 +293,16 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
     # partner is closed (a storm), not slower. Back off longer; cutting again would
     # take the rate to the floor for a pause it never announced.
     closed = ev.retry_after_s is None and s.blind > 0
+    if closed and s.uncut is not None:
+        # Closed, not slower: the cut the storm's first 429 made is undone, or the run
+        # would climb back from it for recovery_s after every storm.
+        s = replace(s, **s.uncut, uncut=None)
     if ev.sent_at >= s.cut_at and not imposed and not closed:
-        s = _cut(cfg, s, now)
+        quick = now - max(s.paused_until, s.cut_at) < FAR_WITHIN_S
+        before = s
+        s = replace(_cut(cfg, s, now), quick=s.quick + 1 if quick else 0)
+        if ev.retry_after_s is None and s.blind == 0:
+            s = replace(s, uncut={k: getattr(before, k) for k in _LEARNT})
     if ev.retry_after_s is not None:
         if ev.retry_after_s > 0:
             s = _pause(cfg, s, now + ev.retry_after_s, "retry-after", now)
@@ -298,6 +312,11 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
     backoff = min(BLIND_MAX_S, BLIND_BASE_S * 2.0 ** s.blind)
     return replace(_pause(cfg, s, now + backoff, "429 without retry-after", now),
                    blind=s.blind + 1)
+
+
+# What a cut changes, and a storm's undoing restores.
+_LEARNT = ("rate", "w_max", "cut_to", "cut_at", "probe_s", "strict", "learnt_at", "last_cut",
+           "verified", "quick")
 
 
 def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
@@ -327,9 +346,10 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
         # step below it (no lower than the plateau, which held); the next probe waits
         # twice as long.
         return _settle(cfg, s, max(plateau, rate * PROBE_BACK), now)
-    if rate <= s.cut_to * NEAR and resumed_s < FAR_WITHIN_S:
-        # The level we settled on, refused again as soon as we resumed: not a close
-        # arrival but a limit that moved down. Cut; refused again at once, halve.
+    if rate <= s.cut_to * NEAR and resumed_s < FAR_WITHIN_S and s.quick:
+        # The level we settled on, refused as soon as we resumed, twice in a row: not a
+        # close arrival (a bucket of one refuses those at random, so once soon after a
+        # pause proves nothing) but a limit that moved down. Cut; refused at once, halve.
         return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
     if rate <= s.cut_to * NEAR:
         # The level we settled on was refused after holding a while: a partner that

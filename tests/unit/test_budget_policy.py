@@ -149,6 +149,7 @@ def test_never_below_the_floor() -> None:
     s = replace_rate(initial(c), 6.0)
     for i in range(10):
         s = step(c, s, Throttle(T0 + i, None), T0 + i + 0.001)
+        s = step(c, s, Success(), T0 + i + 0.5)  # a limit, not a storm: each cut holds
     assert s.rate == 5.0
 
 
@@ -247,16 +248,17 @@ def test_a_429_at_the_settled_rate_after_it_held_a_while_steps_down_instead_of_h
 
 
 def test_429s_without_retry_after_and_nothing_accepted_back_off_without_cutting_again() -> None:
-    # A storm the partner does not announce: one cut, then only a longer backoff.
+    # A storm the partner does not announce: one cut, undone once the storm shows itself,
+    # then only a longer backoff.
     c = cfg()
     s = replace_rate(initial(c), 60.0)
     s = step(c, s, Throttle(T0 - 0.01, None), T0)
-    cut = s.rate
+    assert s.rate < 60.0
     pauses = []
     for _ in range(5):
         now = s.paused_until
         s = step(c, s, Throttle(now, None), now + 0.001)
-        assert s.rate == cut
+        assert s.rate == 60.0
         pauses.append(s.paused_until - (now + 0.001))
     # Growing, then one probe every BLIND_MAX_S: never far past the end of the storm.
     assert pauses[0] == pytest.approx(policy.BLIND_BASE_S * 2)
@@ -305,11 +307,29 @@ def test_refused_on_the_settled_level_as_soon_as_it_resumed_is_a_drop_not_a_clos
     s = step(c, s, Success(), T0 + 16.0)
     s = step(c, s, Throttle(T0 + 16.0, 1.0), T0 + 16.0)  # a failed probe: settled
     settled = s.rate
-    s = step(c, s, Throttle(T0 + 17.1, 1.0), T0 + 17.1)  # 0.1 s after the pause ended
+    # 0.1 s after the pause ended: once proves nothing (a close arrival: pace strictly)...
+    s = step(c, s, Throttle(T0 + 17.1, 1.0), T0 + 17.1)
+    assert s.strict
+    assert s.rate == pytest.approx(settled)
+    # ...twice in a row, the limit moved down: a cut...
+    s = step(c, s, Throttle(T0 + 18.2, 1.0), T0 + 18.2)
     assert s.last_cut == "lower"
     assert s.rate == pytest.approx(settled * c.decrease_factor)
-    s = step(c, s, Throttle(T0 + 18.2, 1.0), T0 + 18.2)  # and again at once: far below
+    s = step(c, s, Throttle(T0 + 19.3, 1.0), T0 + 19.3)  # and again at once: far below
     assert s.rate == pytest.approx(settled * c.decrease_factor * policy.HALVE)
+
+
+def test_a_close_arrival_long_after_the_pause_breaks_the_run_of_quick_refusals() -> None:
+    c = cfg(probe_seconds=12.0, recovery_seconds=8.0)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 0.5), T0)
+    s = step(c, s, Success(), T0 + 16.0)
+    s = step(c, s, Throttle(T0 + 16.0, 1.0), T0 + 16.0)
+    s = step(c, s, Throttle(T0 + 17.1, 1.0), T0 + 17.1)  # quick
+    s = step(c, s, Throttle(T0 + 25.0, 1.0), T0 + 25.0)  # long after: a close arrival
+    assert s.quick == 0
+    stepped = s.rate
+    s = step(c, s, Throttle(T0 + 26.1, 1.0), T0 + 26.1)  # quick, but the first in a row
+    assert s.rate == pytest.approx(stepped * policy.PROBE_BACK)
 
 
 def test_a_close_arrival_on_the_settled_level_does_not_put_the_next_probe_off() -> None:
@@ -322,3 +342,28 @@ def test_a_close_arrival_on_the_settled_level_does_not_put_the_next_probe_off() 
     assert s.strict
     s = step(c, s, Throttle(T0 + 40.0, 0.5), T0 + 40.0)
     assert s.probe_s == probe_s
+
+
+def test_a_storm_without_retry_after_undoes_the_cut_its_first_429_made() -> None:
+    c = cfg()
+    s = replace_rate(initial(c), 60.0)
+    s = step(c, s, Success(), T0 - 1.0)
+    before = s
+    s = step(c, s, Throttle(T0 - 0.01, None), T0)
+    assert s.rate < before.rate  # one 429: a limit, as far as anyone can tell
+    now = s.paused_until
+    s = step(c, s, Throttle(now, None), now + 0.001)  # refused again, nothing accepted
+    assert (s.rate, s.w_max, s.strict) == (before.rate, before.w_max, before.strict)
+    assert s.blind == 2
+
+
+def test_a_429_without_retry_after_then_an_acceptance_keeps_its_cut() -> None:
+    c = cfg()
+    s = replace_rate(initial(c), 60.0)
+    s = step(c, s, Throttle(T0 - 0.01, None), T0)
+    cut = s.rate
+    s = step(c, s, Success(), s.paused_until + 0.01)  # a limit: the partner took one
+    assert s.uncut is None
+    now = s.paused_until + 0.5
+    s = step(c, s, Throttle(now - 0.01, None), now)
+    assert s.rate <= cut

@@ -27,18 +27,14 @@ from paths import REPO
 sys.path.insert(0, str(REPO))
 from supervisor.budget.pacer import Pacer
 
-# The spin's own cost is the pacer's CPU less that of the same pacer sleeping all the way
-# (which wakes on the learnt lateness alone).
-
 
 async def _run(take: Callable[[], Awaitable[Any]], rate: float, seconds: float,
                ) -> dict[str, float]:
     times: list[float] = []
     cpu0, wall0 = time.process_time(), time.monotonic()
     while time.monotonic() - wall0 < seconds:
-        at = await take()
-        # The pacer returns its departure; aiolimiter nothing (the return is the departure).
-        times.append(at if isinstance(at, float) else time.monotonic())
+        await take()
+        times.append(time.monotonic())  # both alike: when the caller has its grant
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     interval = 1.0 / rate
     gaps = sorted(b - a for a, b in itertools.pairwise(times))
@@ -51,6 +47,8 @@ async def _run(take: Callable[[], Awaitable[Any]], rate: float, seconds: float,
 
 async def measure(rate: float, seconds: float) -> dict[str, dict[str, float]]:
     pacer = Pacer(rate, 0.0)
+    # The spin's cost: the same pacer with no spin before the learnt lateness (it still
+    # spins out what is left of that lateness when it wakes early).
     no_spin = Pacer(rate, 0.0, spin_s=0.0)
     bucket = AsyncLimiter(1, 1.0 / rate)
     return {"pacer": await _run(pacer.take, rate, seconds),

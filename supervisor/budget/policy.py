@@ -38,7 +38,8 @@ The policy, and why:
   the old rate and is already accounted for.
 * **Retry-After pauses everyone** until then (the caller applies it to every worker); a
   429 without one pauses everyone for our own backoff, 0.1 s doubling per 429 in a row up
-  to 0.5 s, after which one request probes whether the partner is open again; refused again
+  to 0.5 s; the first request after it leaves alone (the pacer is emptied: the next one
+  waits an interval, by when the first one's 429 is usually back); refused again
   with nothing accepted between, the partner is closed (a storm), not slower, and the cut
   the first 429 made is undone. A pause of ``long_pause_s`` or more (0 = never) is the
   partner's own pause (maintenance, a window), not a rate signal: the rate is kept.
@@ -57,7 +58,7 @@ The policy, and why:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from supervisor.budget.settings import LimitsConfig
@@ -138,7 +139,7 @@ class BudgetState:
     quick: int = 0  # cuts in a row, each refused within FAR_WITHIN_S of resuming
     # What a 429 without Retry-After cut, as it was: restored if the next request is
     # refused too with nothing accepted between (a storm, not a limit).
-    uncut: dict[str, Any] | None = None
+    uncut: dict[str, Any] | None = field(default=None, hash=False)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,7 +147,10 @@ class BudgetState:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BudgetState:
         fields = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in fields})
+        kept = {k: v for k, v in data.items() if k in fields}
+        if not isinstance(kept.get("uncut"), dict | None):
+            kept["uncut"] = None  # written by something else: nothing to undo
+        return cls(**kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +258,7 @@ def step(cfg: PolicyConfig, s: BudgetState, event: Event, now: float) -> BudgetS
 def _resume(cfg: PolicyConfig, s: BudgetState, ev: Resume, now: float) -> BudgetState:
     if ev.forget_limit:
         return replace(initial(cfg), resumed_at=now)
-    return replace(s, paused_until=0.0, pause_reason="", blind=0, resumed_at=now)
+    return replace(s, paused_until=0.0, pause_reason="", blind=0, resumed_at=now, uncut=None)
 
 
 def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
@@ -276,6 +280,8 @@ def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
 def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
     if s.blind or s.uncut is not None:
         s = replace(s, blind=0, uncut=None)  # accepted after the backoff: the cut holds
+    if s.quick and now - max(s.paused_until, s.cut_at) >= FAR_WITHIN_S:
+        s = replace(s, quick=0)  # accepted for a while since: the run of quick refusals ends
     if (s.w_max is not None and s.verified != s.w_max
             and now - s.cut_at >= VERIFIED_AFTER * cfg.recovery_s):
         s = replace(s, verified=s.w_max)
@@ -293,12 +299,13 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
     # partner is closed (a storm), not slower. Back off longer; cutting again would
     # take the rate to the floor for a pause it never announced.
     closed = ev.retry_after_s is None and s.blind > 0
-    if closed and s.uncut is not None:
+    if closed and s.uncut is not None and ev.sent_at >= s.cut_at:
         # Closed, not slower: the cut the storm's first 429 made is undone, or the run
-        # would climb back from it for recovery_s after every storm.
-        s = replace(s, **s.uncut, uncut=None)
+        # would climb back from it for recovery_s after every storm. (A 429 for a request
+        # sent before that cut says nothing: it was in flight.)
+        s = _undo(cfg, s)
     if ev.sent_at >= s.cut_at and not imposed and not closed:
-        quick = now - max(s.paused_until, s.cut_at) < FAR_WITHIN_S
+        quick = 0 <= now - max(s.paused_until, s.cut_at) < FAR_WITHIN_S
         before = s
         s = replace(_cut(cfg, s, now), quick=s.quick + 1 if quick else 0)
         if ev.retry_after_s is None and s.blind == 0:
@@ -306,12 +313,21 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
     if ev.retry_after_s is not None:
         if ev.retry_after_s > 0:
             s = _pause(cfg, s, now + ev.retry_after_s, "retry-after", now)
-        return replace(s, blind=0)
+        return replace(s, blind=0, uncut=None)
     # No Retry-After: the partner gave no time, so everyone backs off on our own clock,
     # doubling while the 429s keep coming (a pause it imposes without saying how long).
     backoff = min(BLIND_MAX_S, BLIND_BASE_S * 2.0 ** s.blind)
     return replace(_pause(cfg, s, now + backoff, "429 without retry-after", now),
                    blind=s.blind + 1)
+
+
+def _undo(cfg: PolicyConfig, s: BudgetState) -> BudgetState:
+    """``s`` as it was before the cut recorded in ``uncut`` (never above the top now)."""
+    was = {k: v for k, v in (s.uncut or {}).items() if k in _LEARNT}
+    s = replace(s, **was, uncut=None)
+    high = top(cfg, s)
+    return replace(s, rate=min(s.rate, high),
+                   w_max=None if s.w_max is None else min(s.w_max, high))
 
 
 # What a cut changes, and a storm's undoing restores.
@@ -385,7 +401,7 @@ def _announce(cfg: PolicyConfig, s: BudgetState, ev: Announce, now: float) -> Bu
     # keep. An infinite one would also make the state unserialisable as JSON.
     if ev.rate == s.announced or (ev.rate is not None and not 0 < ev.rate < math.inf):
         return s
-    s = replace(s, announced=ev.rate)
+    s = replace(s, announced=ev.rate, uncut=None)  # what it knew before is not to come back
     high = top(cfg, s)
     if s.rate > high:
         # Like a cut (so a 429 in the same answer does not cut again), but to the

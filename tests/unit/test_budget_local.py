@@ -31,10 +31,12 @@ async def test_capacity_of_one_never_grants_two_closer_than_the_period() -> None
     times = []
     for _ in range(20):
         grant = await b.acquire()
-        times.append(time.monotonic())
+        times.append(grant.at)  # read as it was granted
         b.release(grant, Feedback(Outcome.OK, 0.001))
     gaps = [y - x for x, y in itertools.pairwise(times)]
-    assert min(gaps) >= 1 / 200 * 0.95
+    # 0.9: the grant's time is read just after the departure, and a busy host may
+    # preempt between the two (a tolerant bucket would allow 0.75 after a late one).
+    assert min(gaps) >= 1 / 200 * 0.9
 
 
 async def test_a_retry_after_pauses_every_waiter_and_empties_the_bucket() -> None:
@@ -56,13 +58,18 @@ async def test_an_edge_throttle_switches_to_strict_pacing() -> None:
     b.release(grant, Feedback(Outcome.THROTTLED, 0.001, retry_after_s=None))
     state = b.snapshot().state
     assert state.strict
-    times = []
-    for _ in range(4):
-        g = await b.acquire()
-        times.append(time.monotonic())
-        b.release(g, Feedback(Outcome.OK, 0.001))
-    # No catch-up burst: every grant a whole interval of the trimmed rate after the last.
-    assert min(y - x for x, y in itertools.pairwise(times)) >= 1 / state.rate * 0.98
+    gaps = []
+    for _ in range(3):
+        # A stall longer than any catch-up, then two grants: tolerant pacing would let the
+        # second leave a quarter interval early to make the stall up; strict never does.
+        time.sleep(0.03)  # noqa: ASYNC251 - a blocked event loop, on purpose
+        times = []
+        for _ in range(2):
+            g = await b.acquire()
+            times.append(time.monotonic())
+            b.release(g, Feedback(Outcome.OK, 0.001))
+        gaps.append(times[1] - times[0])
+    assert min(gaps) >= 1 / b.snapshot().state.rate * 0.98
 
 
 async def test_a_configured_quota_holds_everyone_until_its_window_frees() -> None:

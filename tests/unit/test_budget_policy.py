@@ -367,3 +367,43 @@ def test_a_429_without_retry_after_then_an_acceptance_keeps_its_cut() -> None:
     now = s.paused_until + 0.5
     s = step(c, s, Throttle(now - 0.01, None), now)
     assert s.rate <= cut
+
+
+def test_a_429_in_flight_before_the_storms_cut_does_not_undo_it() -> None:
+    # Several requests are in flight when the first 429 comes: their 429s were sent at
+    # the old rate and say nothing about a storm.
+    c = cfg()
+    s = replace_rate(initial(c), 60.0)
+    s = step(c, s, Throttle(T0 - 0.01, None), T0)
+    cut = s.rate
+    s = step(c, s, Throttle(T0 - 0.005, None), T0 + 0.002)
+    assert s.rate == cut
+    assert s.uncut is not None
+
+
+def test_an_undone_cut_never_restores_a_rate_above_an_announced_limit() -> None:
+    c = cfg()
+    s = replace_rate(initial(c), 60.0)
+    s = step(c, s, Throttle(T0 - 0.01, None), T0)
+    s = step(c, s, Announce(30.0), T0 + 0.01)
+    assert s.uncut is None  # what it knew before the announcement is not to come back
+    s = step(c, s, Throttle(s.paused_until, None), s.paused_until + 0.001)
+    assert s.rate <= policy.top(c, s)
+
+
+def test_a_retry_after_ends_what_a_storm_could_undo() -> None:
+    c = cfg()
+    s = replace_rate(initial(c), 60.0)
+    s = step(c, s, Throttle(T0 - 0.01, None), T0)
+    s = step(c, s, Throttle(T0 + 0.5, 1.0), T0 + 0.5)
+    assert s.uncut is None
+
+
+def test_an_unreadable_undo_record_is_dropped_not_applied() -> None:
+    state = BudgetState.from_dict({"rate": 10.0, "uncut": ["rate", 99.0]})
+    assert state.uncut is None
+    c = cfg()
+    odd = replace(replace_rate(initial(c), 60.0), uncut={"rate": 70.0, "future_field": 1},
+                  blind=1, cut_at=T0 - 1.0)
+    s = step(c, odd, Throttle(T0, None), T0 + 0.001)  # undone: unknown keys are ignored
+    assert s.rate == pytest.approx(70.0)

@@ -222,8 +222,13 @@ def remembered(cfg: PolicyConfig, memory: BudgetState, now: float) -> BudgetStat
         return replace(fresh, paused_until=paused_until, pause_reason=pause_reason,
                        strict=memory.strict, announced=memory.announced,
                        resumed_at=memory.resumed_at)
-    # A plateau that never held long enough may still be a little high: start a step under.
-    learnt = memory.verified if memory.verified is not None else memory.w_max * PROBE_BACK
+    # A plateau that never held long enough may still be a little high: start a step under
+    # it, or at the last one that held if that is higher. A plateau verified early and
+    # raised since by failed probes above it (each settles no lower than the one before)
+    # is out of date: starting a second run there held it at half the limit (2.09).
+    learnt = memory.w_max * PROBE_BACK
+    if memory.verified is not None:
+        learnt = max(learnt, min(memory.verified, memory.w_max))
     age = max(0.0, now - memory.learnt_at)
     drift = 0.5 ** (age / cfg.half_life_s) if cfg.half_life_s > 0 else 0.0
     w_max = cfg.ceiling - (cfg.ceiling - min(learnt, cfg.ceiling)) * drift

@@ -192,6 +192,19 @@ def test_memory_starts_at_the_learnt_limit_and_drifts_back_with_the_half_life() 
     assert curve(c, fresh, T0 + 1.0 + c.recovery_s * 0.5) == pytest.approx(fresh.rate)
 
 
+def test_memory_starts_from_a_plateau_raised_since_it_was_verified() -> None:
+    # Verified low early in a run (after a halving), then raised by failed probes above
+    # it: the next run starts a step under the raised one, not at the old one.
+    c = cfg(rate_per_second=100.0)
+    low = replace(initial(c), w_max=24.0, verified=24.0, cut_at=T0, learnt_at=T0, rate=24.0)
+    raised = replace(low, w_max=43.8, rate=43.8, cut_at=T0 + 20, learnt_at=T0 + 20)
+    assert remembered(c, raised, T0 + 30).rate == pytest.approx(43.8 * policy.PROBE_BACK,
+                                                                rel=0.01)
+    # A verified plateau above the last one (a drop late in the run) starts at the last.
+    dropped = replace(raised, verified=60.0)
+    assert remembered(c, dropped, T0 + 30).rate == pytest.approx(43.8, rel=0.01)
+
+
 def test_memory_keeps_a_pause_in_force_and_drops_one_that_ended() -> None:
     c = cfg()
     s = step(c, initial(c), Throttle(T0, 900.0), T0)

@@ -31,9 +31,9 @@ The policy, and why:
   ``max_probe_s``), so a stable limit is probed ever more rarely while a moved one is still
   found. Throttled on that plateau after it held, it steps down another 3 %, not by a deep
   cut, and the next probe is not put off (a close arrival is not a failed probe); throttled
-  on it as soon as it resumed twice in a row, the limit moved down: a cut, then halving. A cut resets the
-  probe's length, so a limit that drops and comes back is found again within
-  ``recovery_s + probe_s``.
+  on it as soon as it resumed, twice in a row, the limit moved down: a cut, then halving.
+  A cut resets the probe's length, so a limit that drops and comes back is found again
+  within ``recovery_s + probe_s``.
 * **One cut per episode**: a 429 for a request granted before the last cut was sent at
   the old rate and is already accounted for.
 * **Retry-After pauses everyone** until then (the caller applies it to every worker); a

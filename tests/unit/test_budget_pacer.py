@@ -1,6 +1,8 @@
 """The precise pacer: strict spacing measured from actual departures, an absolute schedule
 when tolerant, a new rate reaching the waiters already queued, a batch's tokens in a row.
-Real event loop, real monotonic clock, short waits, generous bounds on the slow side."""
+Real event loop. Lower bounds (never early) on the real monotonic clock, which a busy
+host cannot break; what must happen *soon* on a clock that moves only when it is read or
+told to (:class:`Ticking`), so a preempted test process cannot make it late."""
 
 from __future__ import annotations
 
@@ -8,7 +10,24 @@ import asyncio
 import itertools
 import time
 
+import pytest
+
 from supervisor.budget.pacer import Pacer
+
+
+class Ticking:
+    """A clock that advances a microsecond per read (a spin on it ends) and jumps on
+    ``advance``: departures on it are the pacer's arithmetic, not the host's load."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 async def departures(pacer: Pacer, n: int, cost: int = 1) -> list[float]:
@@ -37,12 +56,18 @@ async def test_strict_spacing_counts_from_the_late_departure_not_the_schedule() 
 async def test_tolerant_pacing_makes_up_a_late_departure() -> None:
     # Half an interval of tolerance: after a stall, the request after the late one leaves
     # half an interval early (strict pacing would wait the whole 10 ms).
-    pacer = Pacer(100.0, 0.005)
+    clock = Ticking()
+    pacer = Pacer(100.0, 0.005, clock=clock)
     await pacer.take()
-    time.sleep(0.015)  # noqa: ASYNC251 - a blocked event loop, on purpose
+    clock.advance(0.015)  # the caller comes back late
     late = await pacer.take()
     caught_up = await pacer.take()
-    assert 0.004 <= caught_up - late < 0.009
+    assert caught_up - late == pytest.approx(0.005, abs=1e-4)
+    strict = Pacer(100.0, 0.0, clock=clock)
+    await strict.take()
+    clock.advance(0.015)
+    late = await strict.take()
+    assert await strict.take() - late == pytest.approx(0.01, abs=1e-4)
 
 
 async def test_an_idle_spell_earns_a_batch_nothing() -> None:
@@ -55,14 +80,16 @@ async def test_an_idle_spell_earns_a_batch_nothing() -> None:
 
 
 async def test_a_new_rate_reaches_waiters_already_queued() -> None:
-    pacer = Pacer(1.0, 0.0)  # one a second
+    clock = Ticking()
+    pacer = Pacer(1.0, 0.0, clock=clock)  # one a second
     await pacer.take()
     waiters = [asyncio.create_task(pacer.take()) for _ in range(5)]
     await asyncio.sleep(0)
-    started = time.monotonic()
+    tuned = clock.now
     pacer.tune(200.0, 0.0)
-    await asyncio.wait_for(asyncio.gather(*waiters), 2.0)
-    assert time.monotonic() - started < 1.0  # at 1/s they would take 5 s
+    left = await asyncio.wait_for(asyncio.gather(*waiters), 30.0)  # a hang guard only
+    # At 1/s they would leave over 5 s; at the new rate, 5 ms apart from the tune on.
+    assert max(left) - tuned == pytest.approx(5 * 0.005, abs=1e-3)
 
 
 async def test_a_cut_slows_the_waiter_at_the_head() -> None:

@@ -168,3 +168,17 @@ async def batch_ids(dsn: str, schema: str) -> list[str]:
         return [r[0] for r in await db.read("SELECT id FROM batches ORDER BY created_at, id")]
     finally:
         await db.close()
+
+
+async def sending_pids(dsn: str, schema: str) -> set[int]:
+    """The process IDs of the replicas holding operations in flight (a batch or a delete
+    in the air, or about to be): where a kill aimed at a request must land to catch one.
+    Read from the schema: the protocol names a replica's operations by its ID only."""
+    db = PgDatabase(dsn, schema, replica="e2e-reader", pool_size=1)
+    await db.open()
+    try:
+        return {r[0] for r in await db.read(
+            "SELECT DISTINCT r.pid FROM operations o JOIN replicas r ON r.id = o.holder"
+            " WHERE o.state = 'in_flight'")}
+    finally:
+        await db.close()

@@ -163,6 +163,10 @@ class FaultService(Service):
         assert self.current is not None
         return self.current
 
+    def pid(self) -> int | None:
+        """The running process's ID (None before the first start)."""
+        return None if self.current is None else self.current.proc.pid
+
     async def kill(self) -> int:
         self.kills += 1
         return await super().kill()

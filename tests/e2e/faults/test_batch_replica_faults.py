@@ -5,7 +5,8 @@ and the job cap shared, and the killed replica's batches found again by the surv
 
 Each kill is aimed at one of the partner's counters as the single-process storm aims
 them (a batch request arriving and held for the partner's latency, executions, a job
-accepted, a job finished), and lands on a replica the case's RNG picks (every third on
+accepted, a job finished), and lands on a replica the case's RNG picks among those
+holding operations in flight when it aims at a batch in the air (every third instead on
 one holding a role: the scan, the publisher, the job poller, the reconciler...), which is
 restarted at once while the others carry on. Nothing may be lost or doubled: a batch
 caught in the air is sent again whole under its key (keys honoured) or its items held
@@ -44,6 +45,7 @@ from tests.e2e.replica_harness import (
     ledger_reader,
     metrics_of,
     role_holders,
+    sending_pids,
     settle_run,
     some_replicas_up,
 )
@@ -143,9 +145,16 @@ async def test_batch_sigkill_storm_across_replicas(pg: Any, e2e: E2E, fault: Fau
                 kind = "tail"
             up = await some_replicas_up(services, restarts)
             holders = {i for held in (await role_holders(services, ROLES)).values() for i in held}
-            # Every third kill aims at a role holder: its roles must move.
-            pool = [i for i in up if i in holders] if n % 3 == 0 else up
+            # A kill aimed at a batch in the air lands on a replica sending one (any
+            # replica may be, and missing them all would catch nothing); every third
+            # kill aims at a role holder instead: its roles must move.
+            senders: set[int] = set()
+            if kind in ("request", "execution"):
+                pids = await sending_pids(pg.dsn, pg.schema)
+                senders = {i for i in up if services[i].pid() in pids}
+            pool = [i for i in up if i in holders] if n % 3 == 0 else sorted(senders)
             victim = rng.choice(pool or up)
+            caught["sender_kills"] += victim in senders
             caught["role_holder_kills"] += victim in holders
             await services[victim].kill()
             caught[f"kill_{kind}"] += 1

@@ -175,7 +175,7 @@ async def run_service(sc: Scenario, overrides: dict[str, dict[str, Any]]) -> lis
                                         "base_url": emulator.url}}
             port = free_port()
             source = tmp / "candidates.jsonl" if sc.ticks > 1 else None
-            doc = service_config(sc, tmp / "var", port, partner.url, overrides, source)
+            doc = service_config(sc, tmp / "var", port, partner, overrides, source)
             for row in rows.values():
                 row.extra["limits"] = doc["limits"]
             cfg = tmp / "bench.toml"
@@ -280,7 +280,7 @@ async def run_cron(sc: Scenario) -> Result:
     async with aiohttp.ClientSession() as http, sandbox(sc, http, "cron") as partner:
         log = log_path(sc.name, sc.cell.name, "cron").open("wb")
         proc = await asyncio.create_subprocess_exec(
-            PY, str(BENCH / "cron_alone.py"), "--base-url", partner.url,
+            PY, str(BENCH / "cron_alone.py"), "--base-url", partner.api_url,
             "--token-env", "CUSTOMER_API_TOKEN", "--deadline-s", f"{budget:.1f}",
             stdout=asyncio.subprocess.PIPE, stderr=log,
             env=clean_env(CUSTOMER_API_TOKEN=partner.token))
@@ -354,7 +354,7 @@ async def run_celery(sc: Scenario) -> Result:
             ready = Path(tmp) / "ready"
             env = clean_env(
                 CUSTOMER_API_TOKEN=partner.token, BENCH_BROKER_URL=REDIS_URL,
-                BENCH_QUEUE=f"bench-{tag}", BENCH_PARTNER_URL=partner.url,
+                BENCH_QUEUE=f"bench-{tag}", BENCH_PARTNER_URL=partner.api_url,
                 BENCH_TOKEN_ENV="CUSTOMER_API_TOKEN", BENCH_RATE_LIMIT=rate_limit or "",
                 BENCH_TAG=tag, BENCH_READY_FILE=str(ready),
                 PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH),

@@ -143,7 +143,7 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
         late.append(time.perf_counter() - due)
         status = 0
         try:
-            async with http.delete(f"{partner.url}/recipients/{quote(rid, safe='')}",
+            async with http.delete(f"{partner.api_url}/recipients/{quote(rid, safe='')}",
                                    headers={"Authorization": auth,
                                             "Idempotency-Key": str(uuid.uuid5(run, rid))},
                                    ) as resp:
@@ -203,7 +203,7 @@ async def trial(cell: Cell, partner_rate: float, rate: float, n: int) -> dict[st
             # slow one at a departure; it spends a unit of the limit, so the run begins
             # when every shape has given it back (a bucket's refill, a sliding second, the
             # fixed second it fell in).
-            async with http.delete(f"{partner.url}/recipients/oracle-warm-up",
+            async with http.delete(f"{partner.api_url}/recipients/oracle-warm-up",
                                    headers={"Authorization": f"Bearer {partner.token}"}) as r:
                 await r.read()
             await _keep_warm(partner, WARM_UP_GAP_S)
@@ -293,12 +293,13 @@ async def ensure(cells: Sequence[Cell], partner_rate: float, n: int,
 
 
 def attach(results: Iterable[Result], entries: dict[str, dict[str, Any]] | None = None) -> None:
-    """Give each matrix row its cell's oracle (rate, time for its scenario), unless it has
-    one; ``entries`` by ``key`` (default: the cache, so an old results.json gets them)."""
+    """Give each row whose (cell, R) was measured its oracle (rate, time for its
+    scenario), unless it has one; ``entries`` by ``key`` (default: the cache, so an old
+    results.json gets them)."""
     entries = load_cache() if entries is None else entries
     for r in results:
         spec = r.scenario_spec()
-        if "oracle" in r.extra or spec is None or not spec.matrix or spec.unlimited:
+        if "oracle" in r.extra or spec is None or spec.unlimited:
             continue
         e = entries.get(key(r.cell, spec.partner_rate))
         if e is None or not e.get("rate"):

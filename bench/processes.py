@@ -111,12 +111,24 @@ async def cancel(*tasks: asyncio.Task[Any] | None) -> None:
 
 
 class Partner:
-    def __init__(self, url: str, token: str, http: aiohttp.ClientSession, pid: int) -> None:
+    """The simulator: ``url`` for its ``/_sandbox`` endpoints, ``api_url`` for clients (a
+    gateway's, when the cell has one; its refusals are added to the partner's stats)."""
+
+    def __init__(self, url: str, token: str, http: aiohttp.ClientSession, pid: int,
+                 gateway: Any = None) -> None:
         self.url, self.token, self.http, self.pid = url, token, http, pid
+        self.gateway = gateway
+        self.api_url: str = gateway.url if gateway is not None else url
 
     async def stats(self) -> dict[str, Any]:
         async with self.http.get(f"{self.url}/_sandbox/stats") as resp:
-            return dict(await resp.json())
+            stats = dict(await resp.json())
+        if self.gateway is not None:
+            refused = self.gateway.refused()
+            stats["requests"] = int(stats.get("requests", 0)) + refused
+            stats["rate_limited"] = int(stats.get("rate_limited", 0)) + refused
+            stats["gateway_refused"] = refused
+        return stats
 
     async def control(self, body: dict[str, float]) -> None:
         async with self.http.post(f"{self.url}/_sandbox/control", json=body) as resp:
@@ -149,7 +161,15 @@ async def sandbox(sc: Scenario, http: aiohttp.ClientSession,
             tail = log.read_text(errors="replace").strip().splitlines()[-1:]
             raise RuntimeError(f"the partner simulator exited {proc.returncode} before it "
                                f"listened: {tail[0] if tail else '(no output)'}; see {log}")
-        yield Partner(json.loads(line)["url"], token, http, proc.pid)
+        url = json.loads(line)["url"]
+        if not sc.cell.gateway:
+            yield Partner(url, token, http, proc.pid)
+        else:
+            from gateway import nginx  # gateway imports this module
+            gw_log = log_path(sc.name, sc.cell.name, f"{tool}-gateway" if tool else "gateway")
+            upstream = int(url.rpartition(":")[2])
+            async with nginx(sc.cell.gateway, sc.partner_rate, upstream, gw_log) as gw:
+                yield Partner(url, token, http, proc.pid, gw)
     finally:
         await stop_process(proc, grace_s=10)
 
@@ -285,11 +305,14 @@ def parse_overrides(items: Iterable[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def service_config(sc: Scenario, data_dir: Path, port: int, partner_url: str,
+def service_config(sc: Scenario, data_dir: Path, port: int, partner: Partner,
                    overrides: dict[str, dict[str, Any]],
                    source_file: Path | None = None) -> dict[str, dict[str, Any]]:
     """config/default.toml for one run. ``source_file``: a JSONL source of IDs instead
-    of paging the partner's listing (the multi-tick scenario: each tick its own IDs)."""
+    of paging the partner's listing (the multi-tick scenario: each tick its own IDs).
+    The listing is read from the simulator itself (the team's own data, not behind the
+    partner's gateway); deletes go to ``partner.api_url``."""
+    partner_url = partner.url
     doc: dict[str, dict[str, Any]] = tomllib.loads((REPO / "config/default.toml").read_text())
     doc.pop("schedule", None)
     doc["service"].update(data_dir=str(data_dir), listen=f"127.0.0.1:{port}",
@@ -301,7 +324,7 @@ def service_config(sc: Scenario, data_dir: Path, port: int, partner_url: str,
         for key in ("url", "items_field", "next_cursor_field", "token_env"):
             doc["source"].pop(key, None)
         doc["source"].update(kind="file", path=str(source_file), format="jsonl")
-    doc["partner"].update(base_url=partner_url)
+    doc["partner"].update(base_url=partner.api_url)
     doc["limits"].update(rate_per_second=sc.ceiling, concurrency=sc.concurrency)
     for section, key, value in sc.service_set:
         doc.setdefault(section, {})[key] = value

@@ -267,7 +267,7 @@ async def run_one(sc: Scenario, k: int, dsn: str, overrides: dict[str, dict[str,
                 ov = replica_overrides(schema, overrides)
                 for i in range(k):
                     port = free_port()
-                    doc = service_config(sc, tmp / f"var-{i + 1}", port, partner.url, ov)
+                    doc = service_config(sc, tmp / f"var-{i + 1}", port, partner, ov)
                     row["limits"] = doc["limits"]
                     cfg = tmp / f"replica-{i + 1}.toml"
                     cfg.write_text(dump_toml(doc))

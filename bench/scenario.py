@@ -191,7 +191,9 @@ class Scenario:
 
     def sandbox_args(self) -> list[str]:
         # Every tick gets recipients of its own: tick k lists IDs k*N+1 .. (k+1)*N.
-        return ["--recipients", str(self.n * self.ticks), "--rate", f"{self.partner_rate:g}",
+        # Behind a gateway the simulator does not limit: the gateway is the limit.
+        rate = 0.0 if self.cell.gateway else self.partner_rate
+        return ["--recipients", str(self.n * self.ticks), "--rate", f"{rate:g}",
                 *self.cell.sandbox_args()]
 
     def r_label(self) -> str:

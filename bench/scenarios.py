@@ -18,7 +18,9 @@ unless ``--rate`` says otherwise; N = R x 30 s, changing-limit 27.5 s, storms 12
 The peers' runs in these scenarios stop after 15 s at most (ratio projected).
 
 Scenarios with a partner of their own (not run over the matrix; ``--full`` or by name):
-minute-window, ratelimit-headers, capacity, and the long ones minute-window-long, article.
+minute-window, ratelimit-headers, capacity, and the long ones minute-window-long, article,
+and article-hidden-* (18,400 at 20/s, ceiling 40/s, against a bucket of one and behind
+nginx limit_req without and with a static Retry-After: 1; gateway.py).
 The dialects (``dialect-*``, run by ``make bench`` too): 1,500 at a fixed window of 50/s,
 ceiling 100/s, once per way the partner words its wait (matrix.DIALECT_CELLS).
 
@@ -34,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from matrix import DIALECT_CELLS, Cell, select_cells
+from matrix import CELLS_BY_NAME, DIALECT_CELLS, LONG_CELLS, Cell, select_cells
 from oracle import attach
 from paths import OUT, TOOLS
 from processes import parse_overrides
@@ -142,7 +144,16 @@ def full_only_scenarios() -> tuple[Scenario, ...]:
     infrai_article = replace(article, name="infrai-article",
                              title="the article's case, Infrai queue (+20 ms a call)",
                              target=Target(max_ratio=1.03), queue="infrai")
-    return (minute_long, article, infrai_article)
+    # The article's run with the limit hidden (the ceiling twice it) against the strict
+    # partners: a bucket of one, and nginx's limit_req in front of the partner, with and
+    # without a Retry-After. 920 s at R: learning the limit must cost seconds of it.
+    long_hidden = tuple(Scenario(
+        f"article-hidden-{cell.name}", f"the article's case, hidden limit: {cell.describe()}",
+        target=Target(max_ratio=1.03, max_share_429=0.01), n=18_400, partner_rate=20,
+        ceiling=40, cell=cell, service_only=True, scrape=True,
+        service_budget=(1.2, 60.0), max_budget_s=2400.0)
+        for cell in (CELLS_BY_NAME["bucket-1"], *LONG_CELLS))
+    return (minute_long, article, infrai_article, *long_hidden)
 
 
 def quick(sc: Scenario) -> Scenario:
@@ -225,7 +236,8 @@ def plot(results: Sequence[Result], path_stem: str, names: Sequence[str]) -> Non
         print(f"\nlimiter curve (worst cell): {path}")
 
 
-def main(names: Sequence[str], argv: Sequence[str] | None = None) -> int:
+def main(names: Sequence[str], argv: Sequence[str] | None = None,
+         stem: str | None = None) -> int:
     """One scenario script: run ``names`` with every selected tool, print the tables."""
     p = argparse.ArgumentParser(description=BY_NAME[names[0]].title)
     add_common_args(p)
@@ -239,7 +251,8 @@ def main(names: Sequence[str], argv: Sequence[str] | None = None) -> int:
     results = asyncio.run(run_scenarios(scenarios, tools, parse_overrides(args.overrides),
                                         cells, explicit_cells=bool(args.cells)))
     attach(results)  # the cached oracle of each cell (python bench/oracle.py measures it)
-    print(report(results, names[0] if len(names) == 1 else "scenarios", start, options(args)))
+    stem = stem or (names[0] if len(names) == 1 else "scenarios")
+    print(report(results, stem, start, options(args)))
     scraped = [n for sc in scenarios if sc.scrape for n in sc.row_names]
     if scraped:
         plot(results, f"limiter-{names[0]}", scraped)

@@ -37,7 +37,7 @@ from supervisor.budget.pair import TwoLimits, item_limits
 from supervisor.budget.settings import LimitsConfig
 from supervisor.config import Config
 from supervisor.consumer import ConsumerPool
-from supervisor.errors import StartupError, StorageError
+from supervisor.errors import QueueError, StartupError, StorageError
 from supervisor.events.relay import EventRelay
 from supervisor.events.settings import EventsConfig
 from supervisor.events.sinks import InfraiSink, Sink, WebhookSink
@@ -59,6 +59,7 @@ from supervisor.postgres.replicas import AdvisoryRoles, Membership, new_replica_
 from supervisor.push import PushedQueue, PushEntry, PushReceiver, PushSettings
 from supervisor.queue.base import Queue
 from supervisor.reconcile import Reconciler
+from supervisor.redisq.queue import RedisQueue
 from supervisor.redrive import Redriver
 from supervisor.roles import LocalRoles, Roles
 from supervisor.runs import RunOpener, RunWatch
@@ -187,10 +188,24 @@ async def open_storage(c: Config, r: Resources) -> Storage:
     return await _open_sqlite(c, r)
 
 
-async def _work_queue(c: Config, r: Resources) -> InfraiQueue:
+async def _work_queue(c: Config, r: Resources) -> Queue:
+    """The work queue outside the ledger's database: Infrai's or a Redis stream."""
+    if c.queue.backend == "redis":
+        assert c.queue.redis_dsn is not None  # config validation requires it
+        redis_queue = RedisQueue(c.queue.redis_dsn.reveal(), c.queue.redis_key)
+        try:
+            await r.open("redis-queue", redis_queue.start, redis_queue.close)
+        except QueueError as exc:
+            raise StartupError(f"queue.backend = 'redis' cannot start: {exc}") from exc
+        return redis_queue
     queue = InfraiQueue(c.infrai)
     await r.open("infrai-queue", queue.start, queue.close)
     return queue
+
+
+def _outside(c: Config) -> bool:
+    """Whether the work queue lives outside the ledger's database."""
+    return c.queue.backend in ("infrai", "redis")
 
 
 async def _open_sqlite(c: Config, r: Resources) -> Storage:
@@ -211,7 +226,7 @@ async def _open_sqlite(c: Config, r: Resources) -> Storage:
             raise StartupError(str(exc)) from exc
         queue: Queue
         released = 0
-        if c.queue.backend == "infrai":
+        if _outside(c):
             queue = await _work_queue(c, r)
         else:
             sqlite_queue = queue = SqliteQueue(db)
@@ -267,8 +282,7 @@ async def _open_postgres(c: Config, r: Resources) -> Storage:
         # Its own connection is closed should the join fail; once joined, it leaves.
         await r.open("pg-membership", membership.join, membership.close)
         r.closes("pg-membership-leave", membership.leave)
-        queue: Queue = (await _work_queue(c, r) if c.queue.backend == "infrai"
-                        else PostgresQueue(db))
+        queue: Queue = await _work_queue(c, r) if _outside(c) else PostgresQueue(db)
         ledger = PostgresLedger(db, owns_queue=queue.capabilities.transactional_ack,
                                 fence_s=c.ledger.dead_after_seconds / 2,
                                 dead_after_s=c.ledger.dead_after_seconds)

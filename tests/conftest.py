@@ -142,3 +142,57 @@ async def pg() -> AsyncIterator[PgSchema]:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
         await conn.close()
+
+
+# -- Redis: a key of its own per test --------------------------------------------------------
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+_redis_reachable: bool | None = None
+
+
+@dataclass(frozen=True)
+class RedisKey:
+    url: str
+    key: str  # queue.redis_key: the stream <key>:work, the delayed set <key>:delayed
+
+
+def redis_url() -> str:
+    return os.environ.get("CLEANUP_TEST_REDIS_URL", REDIS_URL)
+
+
+async def require_redis() -> str:
+    """The URL of a reachable Redis, or a skip (a failure under CLEANUP_REQUIRE_REDIS)."""
+    global _redis_reachable
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    if _redis_reachable is None:
+        client = aioredis.Redis.from_url(redis_url(), socket_connect_timeout=3)
+        try:
+            _redis_reachable = bool(await client.ping())
+        except (RedisError, OSError):
+            _redis_reachable = False
+        finally:
+            await client.aclose()
+    if not _redis_reachable:
+        message = (f"Redis not reachable at {redis_url()}: start one (apt-get install "
+                   "redis-server) or set CLEANUP_TEST_REDIS_URL to run the Redis tests")
+        if os.environ.get("CLEANUP_REQUIRE_REDIS") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return redis_url()
+
+
+@pytest.fixture
+async def redis_key() -> AsyncIterator[RedisKey]:
+    """A fresh key prefix on the machine's Redis for this test, its keys deleted after."""
+    import redis.asyncio as aioredis
+
+    url = await require_redis()
+    key = f"t{secrets.token_hex(6)}"
+    yield RedisKey(url, key)
+    client = aioredis.Redis.from_url(url)
+    try:
+        await client.delete(f"{key}:work", f"{key}:delayed", f"{key}:leases")
+    finally:
+        await client.aclose()

@@ -1,14 +1,15 @@
 """The Queue protocol's contract: every transport passes this one class.
 
 Backends: the embedded SQLite queue on a real file, the PostgreSQL queue table on a
-schema of its own (tests/conftest.py's ``pg``), and the Infrai adapter against the
+schema of its own (tests/conftest.py's ``pg``), a Redis stream under a key of its own on
+the machine's Redis (``redis_key``), and the Infrai adapter against the
 emulator on loopback in each capability mix the reference leaves open (no nack and no
 extend, nack only, nack and extend, a bare-list consume answer, a strict server that
 rejects late and unknown acks); and the pushed transport (supervisor/push.py), whose
 messages arrive over HTTP, so the tests that need ``pull`` skip there. Optional methods
 are exercised where a transport declares them and must refuse cleanly where it does not.
 
-Time: the SQLite and PostgreSQL queues' leases are wall-clock (short ones, waited out); the
+Time: the SQLite, PostgreSQL and Redis queues' leases are wall-clock (short ones, waited out); the
 emulator's
 clock is advanced instead, so a visibility timeout or a delay costs no real waiting.
 """
@@ -33,6 +34,7 @@ from supervisor.postgres.database import PgDatabase
 from supervisor.postgres.queue import PostgresQueue
 from supervisor.push import PushedQueue
 from supervisor.queue.base import Queue, Unsupported
+from supervisor.redisq.queue import RedisQueue
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.queue import SqliteQueue
 from tests.helpers import EMU_KEY, infrai_config, msg
@@ -58,12 +60,13 @@ INFRAI_MIXES: dict[str, dict[str, object]] = {
 }
 
 
-@pytest.fixture(params=["sqlite", "postgres", *INFRAI_MIXES, "pushed"])
+@pytest.fixture(params=["sqlite", "postgres", "redis", *INFRAI_MIXES, "pushed"])
 def transport(request: pytest.FixtureRequest) -> tuple[str, Any]:
-    """The backend's name, and the PostgreSQL schema where it needs one (only there: a
-    machine without PostgreSQL still runs the others)."""
+    """The backend's name, and the PostgreSQL schema or Redis key where it needs one (only
+    there: a machine without PostgreSQL or Redis still runs the others)."""
     name = str(request.param)
-    return name, request.getfixturevalue("pg") if name == "postgres" else None
+    server = {"postgres": "pg", "redis": "redis_key"}.get(name)
+    return name, request.getfixturevalue(server) if server else None
 
 
 async def sleep(seconds: float) -> None:
@@ -95,6 +98,14 @@ async def backend(transport: tuple[str, Any], tmp_path: Path) -> AsyncIterator[B
             yield Backend(PostgresQueue(pgdb), lease_s=0.1, delay_s=0.2, advance=sleep)
         finally:
             await pgdb.close()
+        return
+    if name == "redis":
+        rq = RedisQueue(pg.url, pg.key)
+        await rq.start()
+        try:
+            yield Backend(rq, lease_s=0.1, delay_s=0.2, advance=sleep)
+        finally:
+            await rq.close()
         return
     mix = INFRAI_MIXES[name]
     emulator = await start_emulator(EmulatorConfig(api_key=EMU_KEY, **mix))  # type: ignore[arg-type]

@@ -434,7 +434,7 @@ def test_infrai_keys_are_checked(tmp_path: Path) -> None:
     path = write(tmp_path, '[queue]\nbackend = "kafka"\n[infrai]\nbase_url = "ftp://x"\n'
                  'nack_path = "v1/queue/nack"\nmax_batch = 0\nredrive_path = "/v1/redrive"\n')
     problems = problems_of(path, {**TOKEN_ENV, "INFRAI_API_KEY": "k"})
-    assert "queue.backend must be one of 'sqlite', 'infrai', 'postgres', got 'kafka'" in problems
+    assert "queue.backend must be one of 'sqlite', 'infrai', 'postgres', 'redis', got 'kafka'" in problems
     assert "infrai.base_url must be an http(s) URL, got 'ftp://x'" in problems
     assert "infrai.nack_path must start with '/', got 'v1/queue/nack'" in problems
     assert "infrai.max_batch must be > 0, got 0" in problems
@@ -602,3 +602,25 @@ def test_verdicts_that_are_not_statuses_are_checked_key_by_key(tmp_path: Path) -
     # By id, the id field is what matches a result: it cannot be empty.
     found = problems_of(write(tmp_path, "[batch]\nitem_id_field = ''\n"), TOKEN_ENV)
     assert any("batch.item_id_field must not be empty" in p for p in found), found
+
+
+def test_the_redis_queue_needs_its_url_from_the_environment(tmp_path: Path) -> None:
+    path = write(tmp_path, '[queue]\nbackend = "redis"\n')
+    problems = problems_of(path, TOKEN_ENV)
+    assert any(p.startswith("queue.redis_dsn_env:") and "CLEANUP_REDIS_URL" in p
+               for p in problems), problems
+    cfg = config.load(path, environ={**TOKEN_ENV,
+                                     "CLEANUP_REDIS_URL": "redis://:pw-123@10.0.0.5:6379/2"})
+    assert cfg.queue.redis_dsn == Secret("redis://:pw-123@10.0.0.5:6379/2")
+    assert "pw-123" not in repr(cfg)
+
+
+def test_redis_keys_are_checked_and_the_password_never_echoed(tmp_path: Path) -> None:
+    path = write(tmp_path, '[queue]\nbackend = "redis"\nredis_key = "has space"\n')
+    problems = problems_of(path, {**TOKEN_ENV, "CLEANUP_REDIS_URL": "http://u:pw-123@host/0"})
+    assert "queue.redis_key must be 1 to 64 letters, digits or _.:{}-, got 'has space'" in problems
+    assert any("queue.redis_dsn_env" in p and "got scheme 'http'" in p for p in problems)
+    assert not any("pw-123" in p for p in problems), problems
+    secret = write(tmp_path, '[queue]\nbackend = "redis"\nredis_dsn = "redis://x"\n')
+    assert any("queue.redis_dsn is not a known key" in p
+               for p in problems_of(secret, TOKEN_ENV))

@@ -1,0 +1,1 @@
+"""Redis as a transport: the work queue on Redis Streams."""

@@ -5,7 +5,9 @@ helpers they are built on are in tests/helpers.py.
 The PostgreSQL tests run against the server on this machine (127.0.0.1:5432, user
 postgres, trust auth) or the one ``CLEANUP_TEST_PG_DSN`` names. Where none answers they
 skip with one line saying how to run them; with ``CLEANUP_REQUIRE_PG=1`` (CI sets it) a
-missing server fails them instead, so CI can never pass by skipping.
+missing server fails them instead, so CI can never pass by skipping. The Redis tests
+likewise use the machine's Redis (127.0.0.1:6379, or ``CLEANUP_TEST_REDIS_URL``), a key
+prefix of their own each, required under ``CLEANUP_REQUIRE_REDIS=1``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import asyncpg
 import pytest
@@ -119,12 +121,17 @@ async def _check() -> bool:
 async def require_pg() -> str:
     """The DSN of a reachable PostgreSQL, or a skip (a failure under CLEANUP_REQUIRE_PG)."""
     if not await _check():
-        message = (f"PostgreSQL not reachable at {pg_dsn()}: start one (apt-get install "
-                   "postgresql) or set CLEANUP_TEST_PG_DSN to run the PostgreSQL tests")
-        if os.environ.get("CLEANUP_REQUIRE_PG") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(f"PostgreSQL not reachable at {pg_dsn()}: start one (apt-get install "
+                    "postgresql) or set CLEANUP_TEST_PG_DSN to run the PostgreSQL tests",
+                    "CLEANUP_REQUIRE_PG")
     return pg_dsn()
+
+
+def unavailable(message: str, require_var: str) -> NoReturn:
+    """Skip the test for want of a server, or fail it where ``require_var`` is 1 (CI)."""
+    if os.environ.get(require_var) == "1":
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 @pytest.fixture
@@ -175,11 +182,9 @@ async def require_redis() -> str:
         finally:
             await client.aclose()
     if not _redis_reachable:
-        message = (f"Redis not reachable at {redis_url()}: start one (apt-get install "
-                   "redis-server) or set CLEANUP_TEST_REDIS_URL to run the Redis tests")
-        if os.environ.get("CLEANUP_REQUIRE_REDIS") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(f"Redis not reachable at {redis_url()}: start one (apt-get install "
+                    "redis-server) or set CLEANUP_TEST_REDIS_URL to run the Redis tests",
+                    "CLEANUP_REQUIRE_REDIS")
     return redis_url()
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TextIO, TypeVar
 
 from supervisor import metrics
+from supervisor.amqp.queue import RabbitQueue
 from supervisor.apistate import ApiState
 from supervisor.batch.jobs import JobPoller
 from supervisor.budget.base import RateBudget
@@ -198,6 +199,15 @@ async def _work_queue(c: Config, r: Resources) -> Queue:
         except QueueError as exc:
             raise StartupError(f"queue.backend = 'redis' cannot start: {exc}") from exc
         return redis_queue
+    if c.queue.backend == "rabbitmq":
+        assert c.queue.rabbitmq_dsn is not None  # config validation requires it
+        rabbit = RabbitQueue(c.queue.rabbitmq_dsn.reveal(), c.queue.rabbitmq_queue,
+                             c.queue.max_receives)
+        try:
+            await r.open("rabbitmq-queue", rabbit.start, rabbit.close)
+        except QueueError as exc:
+            raise StartupError(f"queue.backend = 'rabbitmq' cannot start: {exc}") from exc
+        return rabbit
     queue = InfraiQueue(c.infrai)
     await r.open("infrai-queue", queue.start, queue.close)
     return queue
@@ -205,7 +215,7 @@ async def _work_queue(c: Config, r: Resources) -> Queue:
 
 def _outside(c: Config) -> bool:
     """Whether the work queue lives outside the ledger's database."""
-    return c.queue.backend in ("infrai", "redis")
+    return c.queue.backend in ("infrai", "redis", "rabbitmq")
 
 
 async def _open_sqlite(c: Config, r: Resources) -> Storage:

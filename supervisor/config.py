@@ -247,7 +247,7 @@ class Config:
 
 _SECTIONS: dict[str, type[Any]] = {f.name: f.type for f in dataclasses.fields(Config)}  # type: ignore[misc]
 _SECRET_FIELDS = {"token", "tick_token", "metrics_token", "secret", "push_secret", "dsn",
-                  "redis_dsn"}
+                  "redis_dsn", "rabbitmq_dsn"}
 
 
 

@@ -127,6 +127,9 @@ READS_REFUSED = Counter(
 COMPONENT_RESTARTS = Counter(
     "cleanup_component_restarts", "Components restarted after a crash.", ["component"])
 LEDGER_HEALTHY = Gauge("cleanup_ledger_healthy", "1 when the ledger commits, 0 on a fault.")
+QUEUE_HEALTHY = Gauge(
+    "cleanup_queue_healthy",
+    "1 while the queue transport answers (a broker connected, Infrai accepting us), 0 not.")
 READY = Gauge("cleanup_ready", "1 when /readyz answers 200.")
 # Replicas (ledger.backend = "postgres"): one series per process, told apart by instance.
 ROLE_HELD = Gauge("cleanup_role_held", "1 while this process holds a singleton role.", ["role"])

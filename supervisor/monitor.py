@@ -129,6 +129,7 @@ class Monitor:
             gauges.publish_items(self.budget.items.snapshot())
         self._count_paused(budget.state.paused_until)
         metrics.LEDGER_HEALTHY.set(1 if self.ledger.healthy else 0)
+        metrics.QUEUE_HEALTHY.set(1 if self.queue.healthy else 0)
         self.readiness()
         if not self.finishes() and time.monotonic() - self._counted_at < FOLLOWER_COUNT_S:
             return

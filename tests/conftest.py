@@ -201,3 +201,58 @@ async def redis_key() -> AsyncIterator[RedisKey]:
         await client.delete(f"{key}:work", f"{key}:delayed", f"{key}:leases")
     finally:
         await client.aclose()
+
+
+# -- RabbitMQ: a queue of its own per test ---------------------------------------------------
+
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/"
+_rabbit_reachable: bool | None = None
+
+
+@dataclass(frozen=True)
+class RabbitQueueName:
+    url: str
+    name: str  # queue.rabbitmq_queue; its delay queues are <name>.delay.<ttl>s
+
+
+def rabbitmq_url() -> str:
+    return os.environ.get("CLEANUP_TEST_RABBITMQ_URL", RABBITMQ_URL)
+
+
+async def require_rabbitmq() -> str:
+    """The URL of a reachable RabbitMQ, or a skip (a failure under CLEANUP_REQUIRE_RABBITMQ)."""
+    global _rabbit_reachable
+    import aio_pika
+
+    if _rabbit_reachable is None:
+        try:
+            connection = await aio_pika.connect(rabbitmq_url(), timeout=5)
+        except Exception:  # any failure to connect: not reachable here
+            _rabbit_reachable = False
+        else:
+            await connection.close()
+            _rabbit_reachable = True
+    if not _rabbit_reachable:
+        unavailable("RabbitMQ not reachable at 127.0.0.1:5672: start one (apt-get install "
+                    "rabbitmq-server) or set CLEANUP_TEST_RABBITMQ_URL to run its tests",
+                    "CLEANUP_REQUIRE_RABBITMQ")
+    return rabbitmq_url()
+
+
+@pytest.fixture
+async def rabbit_queue() -> AsyncIterator[RabbitQueueName]:
+    """A fresh queue name on the machine's RabbitMQ; it and its delay queues deleted after."""
+    import aio_pika
+
+    url = await require_rabbitmq()
+    name = f"t-{secrets.token_hex(6)}"
+    yield RabbitQueueName(url, name)
+    connection = await aio_pika.connect(url, timeout=5)
+    try:
+        channel = await connection.channel()
+        from supervisor.amqp.queue import DELAYS
+
+        for queue in (name, *(f"{name}.delay.{d:g}s" for d in DELAYS)):
+            await channel.queue_delete(queue)
+    finally:
+        await connection.close()

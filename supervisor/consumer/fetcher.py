@@ -123,7 +123,13 @@ class Fetcher:
             blocked = 0
             if not deliveries:
                 self.frontier.found_nothing()
-                await self.queue.wait(poll_s)
+                try:
+                    await self.queue.wait(poll_s)
+                except QueueError as exc:
+                    # A broker's wait is a call of its own: one that fails is a pause,
+                    # and the next receive says what is wrong.
+                    self._report(exc)
+                    await pause(self._stopping, STORAGE_BACKOFF_S)
                 if self.caps.billed:
                     poll_s = min(IDLE_POLL_MAX_S, poll_s * 2)
                 continue

@@ -58,7 +58,8 @@ class Queue(Protocol):
         """Take up to ``max_messages`` visible messages for ``lease_s``; may return none."""
 
     async def wait(self, timeout_s: float) -> None:
-        """Return when a message may have become visible, or after ``timeout_s``."""
+        """Return when a message may have become visible, or after ``timeout_s``. A
+        transport whose wait is a call to its broker may raise QueueError."""
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
         """Delete delivered messages for good."""

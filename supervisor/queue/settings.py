@@ -19,8 +19,9 @@ class QueueConfig:
     # sqlite: a table in the ledger's own file; infrai: Infrai's managed queue, pulled
     # (works from a private network), see [infrai]; postgres: a table in the PostgreSQL
     # ledger's database (claims with SKIP LOCKED, ack in the outcome's transaction).
-    # redis: a Redis stream and consumer group (supervisor/redisq), with either ledger.
-    backend: Literal["sqlite", "infrai", "postgres", "redis"] = "sqlite"
+    # redis: a Redis stream and consumer group (supervisor/redisq), with either ledger;
+    # rabbitmq: a RabbitMQ quorum queue (supervisor/amqp), with either ledger.
+    backend: Literal["sqlite", "infrai", "postgres", "redis", "rabbitmq"] = "sqlite"
     lease_seconds: float = 60.0
     # A message received this many times ends its operation as failed: a poison message
     # must not circulate for ever.
@@ -42,6 +43,12 @@ class QueueConfig:
     redis_dsn_env: str = "CLEANUP_REDIS_URL"
     redis_dsn: Secret | None = None
     redis_key: str = "cleanup"
+    # queue.backend = "rabbitmq": the URL (amqp://user:password@host:5672/vhost, amqps://
+    # for TLS) from this variable or <VAR>_FILE; the quorum queue's name (delayed retries
+    # wait in <name>.delay.<ttl>s queues beside it).
+    rabbitmq_dsn_env: str = "CLEANUP_RABBITMQ_URL"
+    rabbitmq_dsn: Secret | None = None
+    rabbitmq_queue: str = "cleanup-operations"
 
     def problems(self) -> list[str]:
         out = _positive("queue", self, "lease_seconds", "max_receives", "receive_batch",
@@ -60,10 +67,27 @@ class QueueConfig:
                 # The URL holds a password: only its scheme is named.
                 out.append(f"queue.redis_dsn_env: ${self.redis_dsn_env} must be a "
                            f"redis://, rediss:// or unix:// URL, got scheme {scheme!r}")
+        if not AMQP_QUEUE.fullmatch(self.rabbitmq_queue):
+            out.append("queue.rabbitmq_queue must be 1 to 200 letters, digits or _.:-, not "
+                       f"starting with amq., got {self.rabbitmq_queue!r}")
+        if self.backend == "rabbitmq":
+            if self.lease_seconds >= RABBITMQ_CONSUMER_TIMEOUT_S:
+                out.append(f"queue.lease_seconds ({self.lease_seconds:g}) must stay under "
+                           f"RabbitMQ's consumer_timeout ({RABBITMQ_CONSUMER_TIMEOUT_S:g} s by "
+                           "default), which closes a channel holding a message that long")
+            if self.rabbitmq_dsn is None:
+                out.append(missing_secret("queue.rabbitmq_dsn_env", self.rabbitmq_dsn_env,
+                                          "queue.backend = 'rabbitmq' needs the broker's URL"))
+            elif (scheme := _scheme(self.rabbitmq_dsn.reveal())) not in ("amqp", "amqps"):
+                out.append(f"queue.rabbitmq_dsn_env: ${self.rabbitmq_dsn_env} must be an "
+                           f"amqp:// or amqps:// URL, got scheme {scheme!r}")
         return out
 
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+RABBITMQ_CONSUMER_TIMEOUT_S = 1800.0
+# AMQP queue names: up to 255 bytes; "amq." is reserved for the broker.
+AMQP_QUEUE = re.compile(r"^(?!amq\.)[A-Za-z0-9_.:-]{1,200}$")
 
 
 def _scheme(url: str) -> str:

@@ -2,7 +2,8 @@
 
 Backends: the embedded SQLite queue on a real file, the PostgreSQL queue table on a
 schema of its own (tests/conftest.py's ``pg``), a Redis stream under a key of its own on
-the machine's Redis (``redis_key``), and the Infrai adapter against the
+the machine's Redis (``redis_key``), a RabbitMQ quorum queue of its own
+(``rabbit_queue``), and the Infrai adapter against the
 emulator on loopback in each capability mix the reference leaves open (no nack and no
 extend, nack only, nack and extend, a bare-list consume answer, a strict server that
 rejects late and unknown acks); and the pushed transport (supervisor/push.py), whose
@@ -26,6 +27,7 @@ from typing import Any
 import pytest
 
 from cleanup_sandbox.infrai import EmulatorConfig, start_emulator
+from supervisor.amqp.queue import RabbitQueue
 from supervisor.errors import QueueError
 from supervisor.infrai.queue import InfraiQueue
 from supervisor.model import Delivery
@@ -60,12 +62,12 @@ INFRAI_MIXES: dict[str, dict[str, object]] = {
 }
 
 
-@pytest.fixture(params=["sqlite", "postgres", "redis", *INFRAI_MIXES, "pushed"])
+@pytest.fixture(params=["sqlite", "postgres", "redis", "rabbitmq", *INFRAI_MIXES, "pushed"])
 def transport(request: pytest.FixtureRequest) -> tuple[str, Any]:
     """The backend's name, and the PostgreSQL schema or Redis key where it needs one (only
     there: a machine without PostgreSQL or Redis still runs the others)."""
     name = str(request.param)
-    server = {"postgres": "pg", "redis": "redis_key"}.get(name)
+    server = {"postgres": "pg", "redis": "redis_key", "rabbitmq": "rabbit_queue"}.get(name)
     return name, request.getfixturevalue(server) if server else None
 
 
@@ -106,6 +108,15 @@ async def backend(transport: tuple[str, Any], tmp_path: Path) -> AsyncIterator[B
             yield Backend(rq, lease_s=0.1, delay_s=0.2, advance=sleep)
         finally:
             await rq.close()
+        return
+    if name == "rabbitmq":
+        rabbit = RabbitQueue(pg.url, pg.name, max_receives=20)
+        await rabbit.start()
+        try:
+            # Delays are whole delay queues' TTLs (0.2 s is one); leases are our timers.
+            yield Backend(rabbit, lease_s=0.1, delay_s=0.2, advance=sleep)
+        finally:
+            await rabbit.close()
         return
     mix = INFRAI_MIXES[name]
     emulator = await start_emulator(EmulatorConfig(api_key=EMU_KEY, **mix))  # type: ignore[arg-type]

@@ -434,7 +434,8 @@ def test_infrai_keys_are_checked(tmp_path: Path) -> None:
     path = write(tmp_path, '[queue]\nbackend = "kafka"\n[infrai]\nbase_url = "ftp://x"\n'
                  'nack_path = "v1/queue/nack"\nmax_batch = 0\nredrive_path = "/v1/redrive"\n')
     problems = problems_of(path, {**TOKEN_ENV, "INFRAI_API_KEY": "k"})
-    assert "queue.backend must be one of 'sqlite', 'infrai', 'postgres', 'redis', got 'kafka'" in problems
+    assert ("queue.backend must be one of 'sqlite', 'infrai', 'postgres', 'redis', 'rabbitmq', "
+            "got 'kafka'") in problems
     assert "infrai.base_url must be an http(s) URL, got 'ftp://x'" in problems
     assert "infrai.nack_path must start with '/', got 'v1/queue/nack'" in problems
     assert "infrai.max_batch must be > 0, got 0" in problems
@@ -624,3 +625,22 @@ def test_redis_keys_are_checked_and_the_password_never_echoed(tmp_path: Path) ->
     secret = write(tmp_path, '[queue]\nbackend = "redis"\nredis_dsn = "redis://x"\n')
     assert any("queue.redis_dsn is not a known key" in p
                for p in problems_of(secret, TOKEN_ENV))
+
+
+def test_the_rabbitmq_queue_is_checked_and_the_password_never_echoed(tmp_path: Path) -> None:
+    path = write(tmp_path, '[queue]\nbackend = "rabbitmq"\nrabbitmq_queue = "amq.mine"\n'
+                 'lease_seconds = 3600\n')
+    assert any(p.startswith("queue.rabbitmq_dsn_env:") and "CLEANUP_RABBITMQ_URL" in p
+               for p in problems_of(path, TOKEN_ENV))
+    problems = problems_of(path, {**TOKEN_ENV, "CLEANUP_RABBITMQ_URL": "redis://u:pw-77@h/"})
+    assert any("queue.rabbitmq_dsn_env" in p and "got scheme 'redis'" in p for p in problems)
+    assert any(p.startswith("queue.rabbitmq_queue must be") and "'amq.mine'" in p
+               for p in problems), problems
+    assert any(p.startswith("queue.lease_seconds (3600) must stay under RabbitMQ's "
+                            "consumer_timeout") for p in problems), problems
+    assert not any("pw-77" in p for p in problems), problems
+    ok = write(tmp_path, '[queue]\nbackend = "rabbitmq"\n')
+    cfg = config.load(ok, environ={**TOKEN_ENV,
+                                   "CLEANUP_RABBITMQ_URL": "amqp://u:pw-77@h:5672/v"})
+    assert cfg.queue.rabbitmq_queue == "cleanup-operations"
+    assert "pw-77" not in repr(cfg)

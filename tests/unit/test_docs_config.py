@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
 # Fields the loader fills from the environment (``*_env`` names the variable): never a key.
 SECRETS = {"token", "tick_token", "metrics_token", "secret", "push_secret", "dsn",
-           "redis_dsn"}
+           "redis_dsn", "rabbitmq_dsn"}
 ROW = re.compile(r"^\| `([a-z_]+(?:\.[a-z_]+)+)` \| ([^|]*) \|", re.MULTILINE)
 
 

@@ -456,8 +456,11 @@ def _service_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     s.add_argument("--fault-5xx", type=float, default=0.0)
     s.add_argument("--fault-timeout", type=float, default=0.0,
                    help="share of deletes where the partner acts, then times out")
-    s.add_argument("--queue", choices=["sqlite", "infrai"], default="sqlite",
-                   help="infrai: through the local Infrai emulator, pulled")
+    s.add_argument("--queue", choices=["sqlite", "infrai", "redis", "rabbitmq"],
+                   default="sqlite",
+                   help="infrai: through the local Infrai emulator, pulled; redis, rabbitmq: "
+                   "a queue of the demo's own on the broker $CLEANUP_REDIS_URL or "
+                   "$CLEANUP_RABBITMQ_URL names (default: this machine's), removed after")
     s.add_argument("--partner", choices=["single", "batch", "per_item", "accepted", "job"],
                    default="single",
                    help="batch (= per_item), accepted, job: a partner that deletes 100 ids a "

@@ -181,6 +181,43 @@ class ServiceCalls:
         return ServiceCalls(self.probes - before.probes, self.job_polls - before.job_polls)
 
 
+# The machine's brokers unless the environment names others (as the service reads them).
+BROKERS = {"redis": ("CLEANUP_REDIS_URL", "redis://127.0.0.1:6379/0"),
+           "rabbitmq": ("CLEANUP_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")}
+
+
+@contextlib.asynccontextmanager
+async def broker_queue(kind: str) -> AsyncIterator[dict[str, str]]:
+    """The service's environment for a queue of the demo's own on a Redis or RabbitMQ
+    broker, removed after the demo (a demo leaves nothing behind on a team's broker)."""
+    var, default = BROKERS[kind]
+    url = os.environ.get(var, default)
+    name = f"cleanup-demo-{secrets.token_hex(4)}"
+    if kind == "redis":
+        yield {"CLEANUP__QUEUE__BACKEND": "redis", "CLEANUP__QUEUE__REDIS_KEY": name, var: url}
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(url)
+        try:
+            await client.delete(f"{name}:work", f"{name}:delayed", f"{name}:leases")
+        finally:
+            await client.aclose()
+        return
+    yield {"CLEANUP__QUEUE__BACKEND": "rabbitmq", "CLEANUP__QUEUE__RABBITMQ_QUEUE": name,
+           var: url}
+    import aio_pika
+
+    from supervisor.amqp.queue import DELAYS
+
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        for queue in (name, *(f"{name}.delay.{d:g}s" for d in DELAYS)):
+            await channel.queue_delete(queue)
+    finally:
+        await connection.close()
+
+
 async def run_demo(opts: DemoOptions) -> int:
     partner_token = secrets.token_urlsafe(24)
     trigger_token = secrets.token_urlsafe(24)
@@ -197,6 +234,8 @@ async def run_demo(opts: DemoOptions) -> int:
             queue_env = {"CLEANUP__QUEUE__BACKEND": "sqlite"}
             emulator: SandboxProcess | None = None
             control_key = secrets.token_urlsafe(24)
+            if opts.queue in BROKERS:
+                queue_env = await stack.enter_async_context(broker_queue(opts.queue))
             if opts.queue == "infrai":
                 infrai_key = "ifr_" + secrets.token_urlsafe(24)
                 emulator = await stack.enter_async_context(
@@ -219,6 +258,9 @@ async def run_demo(opts: DemoOptions) -> int:
                   f"limit {opts.partner_rate:g}/s; service {service.url}, "
                   f"{cfg.limits.concurrency} workers; queue {cfg.queue.backend}"
                   + (f" (Infrai emulator {emulator.url})" if emulator else "")
+                  + (f" (key {cfg.queue.redis_key})" if opts.queue == "redis" else "")
+                  + (f" (quorum queue {cfg.queue.rabbitmq_queue})"
+                     if opts.queue == "rabbitmq" else "")
                   + (f"; batch partner ({opts.batch_shape}, {BATCH_SIZE} ids a request)"
                      if opts.batch_shape else ""), flush=True)
             try:

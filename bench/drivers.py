@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from cleanup_sandbox.demo import BROKERS, broker_queue
 from paths import BENCH, CELERY_POOL, PY, REDIS_MARKER, REDIS_URL, log_path
 from processes import (
     Emulator,
@@ -90,6 +91,14 @@ def _follow(result: Result, sc: Scenario, samples: Sequence[Sample],
         follow = follow_delays(sc, samples, times_s)
         result.extra["follow"] = follow
         result.notes += follow_notes(follow)
+
+
+async def _broker_calls(http: aiohttp.ClientSession, base: str) -> float:
+    """The service's round trips to its queue's broker so far (cleanup_queue_calls_total)."""
+    async with http.get(f"{base}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("cleanup_queue_calls_total{"))
 
 
 def _dir_bytes(path: Path) -> int:
@@ -166,6 +175,9 @@ async def run_service(sc: Scenario, overrides: dict[str, dict[str, Any]]) -> lis
             partner = await stack.enter_async_context(sandbox(sc, http, "service"))
             emulator: Emulator | None = None
             env = {"CUSTOMER_API_TOKEN": partner.token}
+            if sc.queue in BROKERS:
+                # A queue of the run's own on this machine's broker, removed after it.
+                env.update(await stack.enter_async_context(broker_queue(sc.queue)))
             if sc.queue == "infrai":
                 emulator = await stack.enter_async_context(infrai_emulator(sc, http))
                 env["INFRAI_API_KEY"] = emulator.key
@@ -218,6 +230,12 @@ async def run_service(sc: Scenario, overrides: dict[str, dict[str, Any]]) -> lis
                         break
                 _add_cpu(rows.get(len(ticks) - 1, final), cpu_s(service.pid))
                 _add_cpu(final, cpu_s(partner.pid))
+                if sc.queue in BROKERS and ticks:
+                    calls = await _broker_calls(http, service.base)
+                    final.extra["broker_calls"] = calls
+                    final.extra["broker_calls_per_op"] = round(calls / max(1, sc.n * sc.ticks), 3)
+                    final.notes.append(f"{sc.queue}: {calls:.0f} round trips, "
+                                       f"{calls / max(1, sc.n * sc.ticks):.2f} per operation")
             finally:
                 code = await service.stop()
             if emulator is not None:

@@ -99,7 +99,8 @@ class Scenario:
     # Service settings this scenario is run with (section, key, value), before --set.
     service_set: tuple[tuple[str, str, Any], ...] = ()
     # "infrai": the service's queue is the Infrai emulator (a process of its own), with
-    # ``infrai_latency_ms`` added to every call; the service alone runs it.
+    # ``infrai_latency_ms`` added to every call; "redis", "rabbitmq": a queue of the run's
+    # own on this machine's broker. The service alone runs these.
     queue: str = "sqlite"
     infrai_latency_ms: float = 20.0
     # About how the service reads the partner (its header dialects): no peer row.

@@ -113,7 +113,14 @@ def own_partner_scenarios() -> tuple[Scenario, ...]:
     infrai_known = Scenario(
         "infrai-known-limit", "known limit, Infrai queue (+20 ms a call)", n=1500,
         partner_rate=50, ceiling=50, target=Target(max_ratio=1.03), queue="infrai")
-    return (minute_window, headers, capacity, infrai_known)
+    # The known-limit case and capacity with a team's broker as the queue (issue 21).
+    brokers = tuple(sc for queue in ("redis", "rabbitmq") for sc in (
+        replace(infrai_known, name=f"{queue}-known-limit",
+                title=f"known limit, {queue} queue", queue=queue),
+        replace(capacity, name=f"{queue}-capacity",
+                title=f"capacity (partner unlimited), {queue} queue", queue=queue,
+                service_only=True)))
+    return (minute_window, headers, capacity, infrai_known, *brokers)
 
 
 def dialect_scenarios() -> tuple[Scenario, ...]:
@@ -144,6 +151,10 @@ def full_only_scenarios() -> tuple[Scenario, ...]:
     infrai_article = replace(article, name="infrai-article",
                              title="the article's case, Infrai queue (+20 ms a call)",
                              target=Target(max_ratio=1.03), queue="infrai")
+    broker_articles = tuple(replace(article, name=f"{queue}-article",
+                                    title=f"the article's case, {queue} queue",
+                                    target=Target(max_ratio=1.03), queue=queue)
+                            for queue in ("redis", "rabbitmq"))
     # The article's run with the limit hidden (the ceiling twice it) against the strict
     # partners: a bucket of one, and nginx's limit_req in front of the partner, with and
     # without a Retry-After. 920 s at R: learning the limit must cost seconds of it.
@@ -153,7 +164,7 @@ def full_only_scenarios() -> tuple[Scenario, ...]:
         ceiling=40, cell=cell, service_only=True, scrape=True,
         service_budget=(1.2, 60.0), max_budget_s=2400.0)
         for cell in (CELLS_BY_NAME["bucket-1"], *LONG_CELLS))
-    return (minute_long, article, infrai_article, *long_hidden)
+    return (minute_long, article, infrai_article, *broker_articles, *long_hidden)
 
 
 def quick(sc: Scenario) -> Scenario:

@@ -127,6 +127,10 @@ READS_REFUSED = Counter(
 COMPONENT_RESTARTS = Counter(
     "cleanup_component_restarts", "Components restarted after a crash.", ["component"])
 LEDGER_HEALTHY = Gauge("cleanup_ledger_healthy", "1 when the ledger commits, 0 on a fault.")
+QUEUE_CALLS = Counter(
+    "cleanup_queue_calls",
+    "Round trips to the queue's broker (Redis commands, scripts and pipelines; AMQP "
+    "methods), by call: what one operation costs the broker.", ["call"])
 QUEUE_HEALTHY = Gauge(
     "cleanup_queue_healthy",
     "1 while the queue transport answers (a broker connected, Infrai accepting us), 0 not.")

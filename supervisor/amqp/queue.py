@@ -181,6 +181,7 @@ class RabbitQueue:
             routing = await self._delay_queue(ttl)
         ids = [secrets.token_hex(12) for _ in messages]
         exchange = self._publish_channel.default_exchange
+        metrics.QUEUE_CALLS.labels("publish").inc(len(messages))  # one confirm each
         try:
             # Publisher confirms: each publish returns once the broker has the message
             # (a quorum queue: once a majority has written it).
@@ -223,6 +224,7 @@ class RabbitQueue:
         generation = self._generation
         self._seen_n = self._published_n
         while len(out) < max_messages:
+            metrics.QUEUE_CALLS.labels("get").inc()
             try:
                 message = await self._queue.get(no_ack=False, fail=False)
             except _FAULTS as exc:
@@ -297,6 +299,7 @@ class RabbitQueue:
 
     async def _ready(self) -> int:
         assert self._consume_channel is not None
+        metrics.QUEUE_CALLS.labels("ready").inc()
         try:
             # On the raw channel: aio-pika's own declare answers from what it declared.
             raw = await self._consume_channel.get_underlay_channel()
@@ -314,6 +317,7 @@ class RabbitQueue:
                 held.expiry.cancel()
             if held.generation != self._generation:
                 continue
+            metrics.QUEUE_CALLS.labels("ack").inc()
             try:
                 await held.message.ack()
             except ChannelInvalidStateError:

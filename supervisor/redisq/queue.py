@@ -184,6 +184,7 @@ class RedisQueue:
         await self.client.aclose()
 
     async def _call(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        metrics.QUEUE_CALLS.labels(what.split(" ")[0]).inc()
         try:
             result = await call()
         except ResponseError as exc:

@@ -420,3 +420,25 @@ def test_an_unreadable_undo_record_is_dropped_not_applied() -> None:
                   blind=1, cut_at=T0 - 1.0)
     s = step(c, odd, Throttle(T0, None), T0 + 0.001)  # undone: unknown keys are ignored
     assert s.rate == pytest.approx(70.0)
+
+
+def test_a_rare_refusal_on_a_strict_settled_level_keeps_it_and_a_sooner_one_steps_down(
+) -> None:
+    # A bucket of one at 20/s: the host's jitter makes a close arrival now and then. Each
+    # one stepping 3 % down for good left the long run at 83 % of the limit (1.228 x N/R).
+    c = cfg(rate_per_second=40.0, probe_seconds=12.0, recovery_seconds=8.0)
+    s = step(c, replace_rate(initial(c), 21.0), Throttle(T0, 1.0), T0)
+    s = step(c, s, Success(), T0 + 16.0)
+    s = step(c, s, Throttle(T0 + 16.0, 1.0), T0 + 16.0)  # a failed probe: settled
+    s = step(c, s, Throttle(T0 + 30.0, 1.0), T0 + 30.0)  # held a while: pace strictly
+    assert s.strict
+    level = s.rate
+    hold_s = policy.JITTER_HOLD / level + 0.5  # past it (T0's float has ~0.2 µs steps)
+    # Refused again after JITTER_HOLD requests held: jitter, the level stays.
+    s = step(c, s, Throttle(T0 + 30.0 + hold_s, 1.0), T0 + 30.0 + hold_s)
+    assert s.rate == pytest.approx(level)
+    assert s.strict
+    # Refused again sooner than that: the level is a little high after all.
+    later = T0 + 30.0 + hold_s * 1.5
+    s = step(c, s, Throttle(later, 1.0), later)
+    assert s.rate == pytest.approx(level * policy.PROBE_BACK)

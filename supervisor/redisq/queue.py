@@ -34,6 +34,7 @@ import os
 import secrets
 import socket
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import orjson
@@ -54,6 +55,8 @@ T = TypeVar("T")
 
 # Due messages moved into the stream per call: a receive never stalls on a backlog.
 PROMOTE_BATCH = 500
+# A consumer (a process) idle this long and holding nothing is gone: deleted at start.
+GONE_AFTER_MS = 86_400_000
 # A wait blocks on the stream at most this long, then looks at the delayed set again.
 MAX_BLOCK_S = 5.0
 
@@ -134,8 +137,9 @@ class RedisQueue:
     """:class:`~supervisor.queue.base.Queue` on one stream and one consumer group."""
 
     def __init__(self, url: str, key: str, client: aioredis.Redis | None = None,
-                 max_block_s: float = MAX_BLOCK_S) -> None:
+                 max_block_s: float = MAX_BLOCK_S, gone_after_ms: int = GONE_AFTER_MS) -> None:
         self.max_block_s = max_block_s
+        self.gone_after_ms = gone_after_ms
         self.key = key
         self.stream, self.delayed, self.group = f"{key}:work", f"{key}:delayed", key
         self.leases = f"{key}:leases"  # entry -> when an extended lease ends (server ms)
@@ -179,6 +183,18 @@ class RedisQueue:
                     raise
 
         await self._call(f"creating group {self.group!r} on {self.stream!r}", create)
+        await self._forget_gone_consumers()
+
+    async def _forget_gone_consumers(self) -> None:
+        """Every process is a consumer of its own, and Redis keeps each for good: those
+        that hold nothing and were idle for a day (gone processes) are deleted. One that
+        still holds entries is kept: deleting it would drop them from the pending list."""
+        consumers: Any = await self._call("consumers", lambda: self.client.xinfo_consumers(
+            self.stream, self.group))
+        for c in consumers:
+            if int(c.get("pending", 0)) == 0 and int(c.get("idle", 0)) > self.gone_after_ms:
+                await self._call("consumers", partial(
+                    self.client.xgroup_delconsumer, self.stream, self.group, c.get("name")))
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -199,3 +199,25 @@ async def test_a_broker_restart_is_unhealthy_then_recovered(tmp_path: Path) -> N
         if server.returncode is None:
             server.kill()
             await server.wait()
+
+
+async def test_a_gone_consumer_is_forgotten_at_start_and_one_holding_entries_kept(
+        redis_key: RedisKey) -> None:
+    stream = f"{redis_key.key}:work"
+    q = RedisQueue(redis_key.url, redis_key.key)
+    await q.start()
+    raw = aioredis.Redis.from_url(redis_key.url)
+    try:
+        await q.publish([msg(1)])
+        await raw.xgroup_createconsumer(stream, redis_key.key, "gone-empty")
+        await raw.xreadgroup(redis_key.key, "gone-holding", {stream: ">"}, count=1)
+        await asyncio.sleep(0.1)  # both idle longer than the restart's 50 ms (time passes)
+        restarted = RedisQueue(redis_key.url, redis_key.key, gone_after_ms=50)
+        await restarted.start()
+        names = {c["name"].decode() for c in await raw.xinfo_consumers(stream, redis_key.key)}
+        await restarted.close()
+    finally:
+        await raw.aclose()
+        await q.close()
+    assert "gone-empty" not in names  # held nothing: forgotten
+    assert "gone-holding" in names  # holds an entry: kept, so the entry stays claimable

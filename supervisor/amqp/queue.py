@@ -52,7 +52,7 @@ from aio_pika.exceptions import AMQPError, ChannelInvalidStateError
 from aiormq.exceptions import AMQPError as AiormqError
 
 from supervisor import metrics
-from supervisor.errors import QueueError
+from supervisor.errors import PartialPublish, QueueError
 from supervisor.model import Delivery, Message, QueueStats
 from supervisor.queue.base import Capabilities, Unsupported
 
@@ -67,7 +67,8 @@ CONNECT_TIMEOUT_S = 10.0
 WAIT_POLL_S = 0.2
 # Each receive is a round trip per message: a few kept in hand so no worker waits on one.
 DEFAULT_PREFETCH = 10
-_FAULTS = (AMQPError, AiormqError, ConnectionError, OSError, asyncio.TimeoutError)
+_FAULTS = (AMQPError, AiormqError, ConnectionError, OSError, asyncio.TimeoutError,
+           ChannelInvalidStateError)  # a channel closed under the call
 
 
 def delay_for(delay_s: float) -> float | None:
@@ -182,17 +183,25 @@ class RabbitQueue:
         ids = [secrets.token_hex(12) for _ in messages]
         exchange = self._publish_channel.default_exchange
         metrics.QUEUE_CALLS.labels("publish").inc(len(messages))  # one confirm each
-        try:
-            # Publisher confirms: each publish returns once the broker has the message
-            # (a quorum queue: once a majority has written it).
-            await asyncio.gather(*(exchange.publish(aio_pika.Message(
-                orjson.dumps({"run_id": m.run_id, "operation_id": m.operation_id,
-                              "recipient_id": m.recipient_id}),
-                message_id=mid, content_type="application/json",
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=routing)
-                for mid, m in zip(ids, messages, strict=True)))
-        except _FAULTS as exc:
-            raise QueueError(f"rabbitmq publish: {_describe(exc)}") from exc
+        # Publisher confirms: each publish returns once the broker has the message (a
+        # quorum queue: once a majority has written it). Those confirmed are named even
+        # when others failed, so the ledger records them (else each is published again).
+        results = await asyncio.gather(*(exchange.publish(aio_pika.Message(
+            orjson.dumps({"run_id": m.run_id, "operation_id": m.operation_id,
+                          "recipient_id": m.recipient_id}),
+            message_id=mid, content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=routing)
+            for mid, m in zip(ids, messages, strict=True)), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            if not isinstance(failed[0], Exception):
+                raise failed[0]  # a cancellation, not a failed publish
+            if not isinstance(failed[0], _FAULTS):
+                raise failed[0]
+            raise PartialPublish(
+                [None if isinstance(r, BaseException) else mid
+                 for mid, r in zip(ids, results, strict=True)],
+                QueueError(f"rabbitmq publish: {_describe(failed[0])}"))
         if delay_s <= 0:
             self._published_n += 1
             self._published.set()

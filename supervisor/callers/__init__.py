@@ -1,0 +1,1 @@
+"""Callers: how a team's existing scheduler opens runs (Celery beat, Temporal)."""

@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml sandbox/pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]' -e ./sandbox
+	$(BIN)/python -m pip install --quiet -e '.[dev,celery]' -e ./sandbox
 	touch $(STAMP)
 
 demo: $(STAMP)

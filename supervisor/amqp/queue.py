@@ -38,15 +38,14 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import aio_pika
 import orjson
 from aio_pika.abc import (
     AbstractChannel,
+    AbstractConnection,
     AbstractIncomingMessage,
     AbstractQueue,
-    AbstractRobustConnection,
 )
 from aio_pika.exceptions import AMQPError, ChannelInvalidStateError
 from aiormq.exceptions import AMQPError as AiormqError
@@ -93,7 +92,10 @@ class RabbitQueue:
         self._capabilities = Capabilities(
             transactional_ack=False, extend=True, nack=False, stats=False,
             max_delay_s=float(DELAYS[-1]), billed=False, default_prefetch=DEFAULT_PREFETCH)
-        self._connection: AbstractRobustConnection | None = None
+        self._connection: AbstractConnection | None = None
+        self._opening = asyncio.Lock()
+        # A call failed on a channel that does not know yet it was closed: open anew.
+        self._broken = False
         self._publish_channel: AbstractChannel | None = None
         self._consume_channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
@@ -105,7 +107,7 @@ class RabbitQueue:
         self._held: dict[str, _Held] = {}  # receipt -> the delivery handed out
         self._delay_queues: set[float] = set()
         self._closing = False
-        # Set each time aio-pika has opened the consuming channel again after a close.
+        # Set each time the connection has been opened again after a close.
         self.reopened = asyncio.Event()
         self._fault = ""
 
@@ -115,30 +117,70 @@ class RabbitQueue:
 
     @property
     def healthy(self) -> bool:
-        c = self._connection
-        return (c is not None and not c.is_closed and self._consume_channel is not None
-                and not self._consume_channel.is_closed)
+        return self._open()
 
     # -- life ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        try:
-            self._connection = await aio_pika.connect_robust(
-                self.url, timeout=CONNECT_TIMEOUT_S,
-                client_properties={"connection_name": f"cleanup-supervisor:{self.name}"})
-            self._publish_channel = await self._connection.channel(publisher_confirms=True)
-            self._consume_channel = await self._connection.channel(publisher_confirms=False)
-            self._queue = await self._consume_channel.declare_queue(
-                self.name, durable=True, arguments={
-                    "x-queue-type": "quorum",
-                    "x-delivery-limit": self.max_receives + DELIVERY_LIMIT_MARGIN})
-        except _FAULTS as exc:
-            raise QueueError(f"rabbitmq: cannot start on queue {self.name!r}: "
-                             f"{_describe(exc)}") from exc
-        # A reconnect opens new channels: their tags start again, and what the old one
-        # held the broker has requeued.
-        self._consume_channel.close_callbacks.add(self._channel_closed)
-        self._consume_channel.reopen_callbacks.add(self._channel_reopened)
+        await self._ensure()
+
+    async def _ensure(self) -> None:
+        """A connection with both channels open, opened again when the broker closed
+        anything (a restart, a failover, close_all_connections, a channel error).
+
+        Ours, not aio-pika's robust connection: its channel reopening raced a closed
+        connection and left a channel closed for good (seen under close_all_connections).
+        A new connection is a new generation: the old channel's tags are dead, and the
+        broker has requeued what they held."""
+        if self._open():
+            return
+        async with self._opening:
+            if self._open():
+                return
+            if self._connection is not None:
+                self._lost()
+                with contextlib.suppress(*_FAULTS, RuntimeError):
+                    await self._connection.close()
+                self._connection = None
+            try:
+                connection = await aio_pika.connect(
+                    self.url, timeout=CONNECT_TIMEOUT_S,
+                    client_properties={"connection_name": f"cleanup-supervisor:{self.name}"})
+                try:
+                    self._publish_channel = await connection.channel(publisher_confirms=True)
+                    self._consume_channel = await connection.channel(publisher_confirms=False)
+                    self._queue = await self._consume_channel.declare_queue(
+                        self.name, durable=True, arguments={
+                            "x-queue-type": "quorum",
+                            "x-delivery-limit": self.max_receives + DELIVERY_LIMIT_MARGIN})
+                except BaseException:
+                    with contextlib.suppress(*_FAULTS, RuntimeError):
+                        await connection.close()
+                    raise
+            except _FAULTS as exc:
+                raise QueueError(f"rabbitmq: cannot open queue {self.name!r}: "
+                                 f"{_describe(exc)}") from exc
+            self._connection, self._broken = connection, False
+            self._delay_queues.clear()  # declared again on the new channel when used
+            if self._generation:
+                self.reopened.set()
+                log.info("rabbitmq connection open again", extra={"action": "queue_available"})
+            self._generation += 1
+
+    def _open(self) -> bool:
+        c, pub, con = self._connection, self._publish_channel, self._consume_channel
+        return (not self._broken and c is not None and not c.is_closed and pub is not None
+                and not pub.is_closed and con is not None and not con.is_closed)
+
+    def _lost(self) -> None:
+        """The connection or a channel closed: what it held is the broker's again."""
+        for held in self._held.values():
+            if held.expiry is not None:
+                held.expiry.cancel()
+        self._held.clear()
+        if not self._closing:
+            log.warning("rabbitmq connection or channel closed; its unacked messages are "
+                        "requeued by the broker", extra={"action": "queue_unavailable"})
 
     async def close(self) -> None:
         self._closing = True
@@ -147,32 +189,16 @@ class RabbitQueue:
                 held.expiry.cancel()
         self._held.clear()
         if self._connection is not None:
-            with contextlib.suppress(*_FAULTS):
+            with contextlib.suppress(*_FAULTS, RuntimeError):
                 await self._connection.close()
-
-    def _channel_closed(self, *_: Any) -> None:
-        self._generation += 1
-        if self._closing:
-            return
-        # What was held on the closed channel is the broker's again.
-        for held in self._held.values():
-            if held.expiry is not None:
-                held.expiry.cancel()
-        self._held.clear()
-        log.warning("rabbitmq channel closed; its unacked messages are requeued by the "
-                    "broker", extra={"action": "queue_unavailable"})
-
-    def _channel_reopened(self, *_: Any) -> None:
-        self.reopened.set()
-        log.info("rabbitmq channel open again", extra={"action": "queue_available"})
 
     # -- the protocol ----------------------------------------------------------------------
 
     async def publish(self, messages: Sequence[Message], delay_s: float = 0.0) -> list[str]:
         if not messages:
             return []
-        if self._publish_channel is None:
-            raise QueueError("rabbitmq: publish before start")
+        await self._ensure()
+        assert self._publish_channel is not None
         routing = self.name
         if delay_s > 0:
             ttl = delay_for(delay_s)
@@ -194,6 +220,7 @@ class RabbitQueue:
             for mid, m in zip(ids, messages, strict=True)), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
+            self._broken = True
             if not isinstance(failed[0], Exception):
                 raise failed[0]  # a cancellation, not a failed publish
             if not isinstance(failed[0], _FAULTS):
@@ -227,18 +254,27 @@ class RabbitQueue:
         # Pulled (basic.get), one message per round trip: the pool asks for what its idle
         # workers and queue.prefetch can take, and a push consumer's prefetch window would
         # hold messages nobody asked for (each under no lease of ours).
-        if self._queue is None:
-            raise QueueError("rabbitmq: receive before start")
+        await self._ensure()
+        assert self._queue is not None
         out: list[Delivery] = []
         generation = self._generation
         self._seen_n = self._published_n
+        retried = False
         while len(out) < max_messages:
             metrics.QUEUE_CALLS.labels("get").inc()
             try:
                 message = await self._queue.get(no_ack=False, fail=False)
             except _FAULTS as exc:
+                self._broken = True
                 if out:
-                    break  # what was taken is handed out; the next call reports the fault
+                    break  # what was taken is handed out; the next call opens anew
+                if not retried:
+                    # The broker closed the channel under us: once more, on a new one.
+                    retried = True
+                    await self._ensure()
+                    generation = self._generation
+                    assert self._queue is not None
+                    continue
                 raise QueueError(f"rabbitmq receive: {_describe(exc)}") from exc
             if message is None:
                 break
@@ -307,6 +343,7 @@ class RabbitQueue:
                     return
 
     async def _ready(self) -> int:
+        await self._ensure()
         assert self._consume_channel is not None
         metrics.QUEUE_CALLS.labels("ready").inc()
         try:
@@ -314,6 +351,7 @@ class RabbitQueue:
             raw = await self._consume_channel.get_underlay_channel()
             declared = await raw.queue_declare(self.name, passive=True)
         except _FAULTS as exc:
+            self._broken = True
             raise QueueError(f"rabbitmq wait: {_describe(exc)}") from exc
         return int(declared.message_count or 0)
 

@@ -29,7 +29,7 @@ from tests.e2e.replica_harness import metrics_of, no_duplicates, replicas, settl
 
 pytestmark = pytest.mark.e2e
 
-POPULATION = 1000
+POPULATION = 600
 KILLS = 6
 BROKER_DROPS = 2
 
@@ -121,7 +121,7 @@ async def test_replicas_on_postgres_share_one_redis_stream(pg: Any, e2e: E2E,
     """Three replicas (PostgreSQL ledger) consume one stream as one group; one is killed
     mid-run and the survivors claim what it held after the lease: one run, every
     recipient deleted once, each survivor a consumer of its share, Redis left empty."""
-    population = 900
+    population = 600
     sandbox = await e2e.sandbox("--recipients", population, "--rate", 400, "--burst", 20,
                                 "--latency-ms", 20)
     services = replicas(e2e, sandbox, pg.dsn, pg.schema, 3, {

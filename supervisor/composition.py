@@ -193,10 +193,10 @@ async def _work_queue(c: Config, r: Resources) -> Queue:
     """The work queue outside the ledger's database: Infrai's or a Redis stream."""
     if c.queue.backend == "redis":
         assert c.queue.redis_dsn is not None  # config validation requires it
-        redis_queue = RedisQueue(c.queue.redis_dsn.reveal(), c.queue.redis_key)
         try:
+            redis_queue = RedisQueue(c.queue.redis_dsn.reveal(), c.queue.redis_key)
             await r.open("redis-queue", redis_queue.start, redis_queue.close)
-        except QueueError as exc:
+        except (QueueError, ValueError) as exc:  # ValueError: a URL redis-py cannot parse
             raise StartupError(f"queue.backend = 'redis' cannot start: {exc}") from exc
         return redis_queue
     if c.queue.backend == "rabbitmq":

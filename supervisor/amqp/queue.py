@@ -10,7 +10,7 @@ at once). So the lease is ours: a delivery handed out by :meth:`RabbitQueue.rece
 and neither acked nor extended within its lease is handed back (``basic.reject`` with
 requeue), as a managed queue's visibility timeout would; and the broker's own
 ``consumer_timeout`` (30 minutes by default), which closes a channel holding a message
-that long, stays far above any lease.
+that long, is never reached: no hold is extended past MAX_HOLD_S (25 minutes).
 
 Delivery tags live and die with their channel. Each delivery carries the channel's
 generation; an ack of a delivery from a channel since closed is not sent (the tag would
@@ -64,6 +64,9 @@ DELAYS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600, 720
 DELIVERY_LIMIT_MARGIN = 5
 CONNECT_TIMEOUT_S = 10.0
 WAIT_POLL_S = 0.2
+# The longest a delivery is held: under RabbitMQ's default consumer_timeout (1800 s),
+# which closes a channel holding an unacked message that long.
+MAX_HOLD_S = 1500.0
 # Each receive is a round trip per message: a few kept in hand so no worker waits on one.
 DEFAULT_PREFETCH = 10
 _FAULTS = (AMQPError, AiormqError, ConnectionError, OSError, asyncio.TimeoutError,
@@ -80,6 +83,7 @@ class _Held:
     message: AbstractIncomingMessage
     generation: int
     expiry: asyncio.TimerHandle | None = None
+    since: float = 0.0  # when it was received (loop time): no hold outlives MAX_HOLD_S
 
 
 class RabbitQueue:
@@ -94,6 +98,7 @@ class RabbitQueue:
             max_delay_s=float(DELAYS[-1]), billed=False, default_prefetch=DEFAULT_PREFETCH)
         self._connection: AbstractConnection | None = None
         self._opening = asyncio.Lock()
+        self._token = secrets.token_hex(6)
         # A call failed on a channel that does not know yet it was closed: open anew.
         self._broken = False
         self._publish_channel: AbstractChannel | None = None
@@ -157,7 +162,7 @@ class RabbitQueue:
                     with contextlib.suppress(*_FAULTS, RuntimeError):
                         await connection.close()
                     raise
-            except _FAULTS as exc:
+            except (*_FAULTS, ValueError) as exc:  # ValueError: a URL it cannot parse
                 raise QueueError(f"rabbitmq: cannot open queue {self.name!r}: "
                                  f"{_describe(exc)}") from exc
             self._connection, self._broken = connection, False
@@ -255,15 +260,17 @@ class RabbitQueue:
         # workers and queue.prefetch can take, and a push consumer's prefetch window would
         # hold messages nobody asked for (each under no lease of ours).
         await self._ensure()
-        assert self._queue is not None
         out: list[Delivery] = []
-        generation = self._generation
         self._seen_n = self._published_n
         retried = False
         while len(out) < max_messages:
             metrics.QUEUE_CALLS.labels("get").inc()
+            # Read together each time: another task may have opened a new connection,
+            # and a message is its channel's generation, never an older one's.
+            generation, queue = self._generation, self._queue
+            assert queue is not None
             try:
-                message = await self._queue.get(no_ack=False, fail=False)
+                message = await queue.get(no_ack=False, fail=False)
             except _FAULTS as exc:
                 self._broken = True
                 if out:
@@ -272,8 +279,6 @@ class RabbitQueue:
                     # The broker closed the channel under us: once more, on a new one.
                     retried = True
                     await self._ensure()
-                    generation = self._generation
-                    assert self._queue is not None
                     continue
                 raise QueueError(f"rabbitmq receive: {_describe(exc)}") from exc
             if message is None:
@@ -302,14 +307,16 @@ class RabbitQueue:
                                                       m.recipient_id)):
             return None
         mid = message.message_id or f"tag-{generation}-{message.delivery_tag}"
-        return Delivery(m, mid, f"{generation}:{message.delivery_tag}")
+        # The instance's token: tags restart at 1 on every channel of every process,
+        # and the receipt is the ledger's attempt owner.
+        return Delivery(m, mid, f"{self._token}:{generation}:{message.delivery_tag}")
 
     def _hold(self, receipt: str, message: AbstractIncomingMessage, generation: int,
               lease_s: float) -> None:
-        held = self._held.get(receipt) or _Held(message, generation)
+        loop = asyncio.get_running_loop()
+        held = self._held.get(receipt) or _Held(message, generation, since=loop.time())
         if held.expiry is not None:
             held.expiry.cancel()
-        loop = asyncio.get_running_loop()
         held.expiry = loop.call_later(lease_s, self._expire, receipt)
         self._held[receipt] = held
 
@@ -378,7 +385,12 @@ class RabbitQueue:
 
     async def extend(self, delivery: Delivery, lease_s: float) -> bool:
         held = self._held.get(delivery.receipt)
-        if held is None or held.generation != self._generation:
+        if held is None or held.generation != self._generation or not self._open():
+            return False  # its channel closed (the broker has it again) or is closing
+        if asyncio.get_running_loop().time() - held.since + lease_s > MAX_HOLD_S:
+            # The broker's consumer_timeout would close the channel under every delivery
+            # on it: this one is given up instead (the caller defers it: a copy is
+            # published and this one acked, or it is handed back when its lease ends).
             return False
         self._hold(delivery.receipt, held.message, held.generation, lease_s)
         return True

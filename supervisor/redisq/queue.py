@@ -34,7 +34,6 @@ import os
 import secrets
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
 from typing import Any, TypeVar
 
 import orjson
@@ -129,6 +128,21 @@ return 1
 """
 
 
+# KEYS: stream. ARGV: group, idle ms. Consumers idle that long and holding nothing.
+_FORGET = """
+local gone = 0
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local info = {}
+  for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
+  if tonumber(info['pending']) == 0 and tonumber(info['idle']) > tonumber(ARGV[2]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
+    gone = gone + 1
+  end
+end
+return gone
+"""
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -159,6 +173,7 @@ class RedisQueue:
         self._delay = self.client.register_script(_DELAY)
         self._claim = self.client.register_script(_CLAIM)
         self._settle = self.client.register_script(_SETTLE)
+        self._forget = self.client.register_script(_FORGET)
         self._healthy = True
         self._fault = ""
 
@@ -187,14 +202,11 @@ class RedisQueue:
 
     async def _forget_gone_consumers(self) -> None:
         """Every process is a consumer of its own, and Redis keeps each for good: those
-        that hold nothing and were idle for a day (gone processes) are deleted. One that
-        still holds entries is kept: deleting it would drop them from the pending list."""
-        consumers: Any = await self._call("consumers", lambda: self.client.xinfo_consumers(
-            self.stream, self.group))
-        for c in consumers:
-            if int(c.get("pending", 0)) == 0 and int(c.get("idle", 0)) > self.gone_after_ms:
-                await self._call("consumers", partial(
-                    self.client.xgroup_delconsumer, self.stream, self.group, c.get("name")))
+        that hold nothing and were idle for a day (gone processes) are deleted, each
+        checked and deleted in one script (one that read an entry in between would
+        drop it from the pending list)."""
+        await self._call("consumers", lambda: self._forget(
+            keys=[self.stream], args=[self.group, self.gone_after_ms]))
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -89,3 +89,25 @@ def test_a_delay_waits_in_the_shortest_queue_not_shorter() -> None:
     assert delay_for(1.1) == 2
     assert delay_for(7 * 86400) == 604800
     assert delay_for(7 * 86400 + 1) is None
+
+
+async def test_receipts_differ_across_processes_whose_tags_both_start_at_one(
+        rabbit_queue: RabbitQueueName) -> None:
+    # The receipt owns the operation's attempt in the ledger: two replicas' first
+    # deliveries (tag 1 on each channel) must not own it alike.
+    a = RabbitQueue(rabbit_queue.url, rabbit_queue.name, max_receives=20)
+    b = RabbitQueue(rabbit_queue.url, rabbit_queue.name, max_receives=20)
+    await a.start()
+    await b.start()
+    try:
+        await a.publish([msg(1), msg(2)])
+        [first] = await a.receive(1, LEASE_S)
+        [second] = await b.receive(1, LEASE_S)
+        assert first.receipt.endswith(":1")
+        assert second.receipt.endswith(":1")
+        assert first.receipt != second.receipt
+        await a.ack([first])
+        await b.ack([second])
+    finally:
+        await a.close()
+        await b.close()

@@ -346,7 +346,9 @@ def register(app: Any, *, target: TickTarget | None = None, max_retries: int = 5
     is safe because the slot dedupes."""
     log = _celery("celery.utils.log").get_task_logger(__name__)
 
-    @app.task(bind=True, name=TASK_NAME, acks_late=True, reject_on_worker_lost=True,
+    # shared=False: a shared task is added to every Celery app made after it in the
+    # process (a second register, another app of the team's) under the same name.
+    @app.task(bind=True, name=TASK_NAME, shared=False, acks_late=True, reject_on_worker_lost=True,
               max_retries=max_retries, ignore_result=True)  # type: ignore[untyped-decorator]
     def open_cleanup_run(self: Any, slot_iso: str | None = None) -> dict[str, Any]:
         settings = target or TickTarget.from_env()

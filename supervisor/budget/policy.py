@@ -142,6 +142,9 @@ class BudgetState:
     verified: float | None = None  # a plateau that held for 2 x recovery_s: memory trusts it
     resumed_at: float = 0.0  # when an operator last lifted the pause: older holds are void
     quick: int = 0  # cuts in a row, each refused within FAR_WITHIN_S of resuming
+    # The highest level that held through a recovery period before a probe above it
+    # failed: the limit lies between it and what failed, so a step down goes halfway to it.
+    held: float | None = None
     # What a 429 without Retry-After cut, as it was: restored if the next request is
     # refused too with nothing accepted between (a storm, not a limit).
     uncut: dict[str, Any] | None = field(default=None, hash=False)
@@ -234,6 +237,11 @@ def remembered(cfg: PolicyConfig, memory: BudgetState, now: float) -> BudgetStat
     learnt = memory.w_max * PROBE_BACK
     if memory.verified is not None:
         learnt = max(learnt, min(memory.verified, memory.w_max))
+    if memory.held is not None and memory.held <= memory.w_max:
+        # Found by halving the gap between a level that held and ones refused: this level
+        # is the last one not refused, and a step under it would cost 3 % until the
+        # next probe, minutes away for a remembered plateau.
+        learnt = memory.w_max
     age = max(0.0, now - memory.learnt_at)
     drift = 0.5 ** (age / cfg.half_life_s) if cfg.half_life_s > 0 else 0.0
     w_max = cfg.ceiling - (cfg.ceiling - min(learnt, cfg.ceiling)) * drift
@@ -298,7 +306,8 @@ def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
     rate = curve(cfg, s, now)
     if s.w_max is not None and rate >= top(cfg, s) and now - s.cut_at >= cfg.recovery_s:
         # The probe reached the top without a 429: whatever was learnt no longer holds.
-        return replace(s, rate=rate, w_max=None, verified=None, probe_s=cfg.probe_s)
+        return replace(s, rate=rate, w_max=None, verified=None, held=None,
+                       probe_s=cfg.probe_s)
     return s if rate == s.rate else replace(s, rate=rate)
 
 
@@ -342,7 +351,7 @@ def _undo(cfg: PolicyConfig, s: BudgetState) -> BudgetState:
 
 # What a cut changes, and a storm's undoing restores.
 _LEARNT = ("rate", "w_max", "cut_to", "cut_at", "probe_s", "strict", "learnt_at", "last_cut",
-           "verified", "quick")
+           "verified", "quick", "held")
 
 
 def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
@@ -368,24 +377,36 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
             s = replace(s, strict=False)
         return _lower(cfg, s, rate * HALVE, rate * HALVE, now)
     if rate > plateau * NEAR:
-        # A probe above the plateau failed: the limit is just under this rate. Settle a
-        # step below it (no lower than the plateau, which held); the next probe waits
-        # twice as long.
-        return _settle(cfg, s, max(plateau, rate * PROBE_BACK), now)
+        # A probe above the plateau failed: the limit lies between the plateau, which held
+        # through the recovery, and this rate, which the partner's burst let through for a
+        # while before the 429 (a bucket of 10 let a probe reach 1.16 x its limit). Settle
+        # halfway between them, or a step under the failed rate if that is lower: a step
+        # under it was still above the limit, and each step down cost a whole-second
+        # Retry-After (seven 429s to find a bucket's limit, where bisecting takes four).
+        # The next probe waits twice as long.
+        held = max(plateau, s.held or 0.0)
+        level = max(plateau, min(rate * PROBE_BACK, (held + rate) / 2))
+        return _settle(cfg, replace(s, held=held), level, now)
     if rate <= s.cut_to * NEAR and resumed_s < FAR_WITHIN_S and s.quick:
         # The level we settled on, refused as soon as we resumed, twice in a row: not a
         # close arrival (a bucket of one refuses those at random, so once soon after a
         # pause proves nothing) but a limit that moved down. Cut; refused at once, halve.
         return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
     if rate <= s.cut_to * NEAR:
-        # The level we settled on was refused after holding a while: a partner that
-        # refuses close arrivals (a bucket of one token) at a rate it otherwise takes.
-        # Pace strictly first; already strict, a step lower. Neither is a failed probe:
-        # the next probe comes no later than it would have.
+        # The level we settled on was refused after holding a while. Under a level that
+        # held (a failed probe's plateau), the limit is between the two: pace strictly
+        # halfway down to it. Otherwise it may be a partner that refuses close arrivals
+        # (a bucket of one token) at a rate it otherwise takes: pace strictly first;
+        # already strict, a step lower. None of these is a failed probe: the next probe
+        # comes no later than it would have.
+        jitter = s.strict and (now - s.cut_at) * rate >= JITTER_HOLD
+        if not jitter and s.held is not None and rate > s.held * NEAR:
+            return _settle(cfg, replace(s, strict=True), (s.held + rate) / 2, now,
+                           probe_s=s.probe_s)
         if not s.strict:
             return _settle(cfg, replace(s, strict=True), min(rate, top(cfg, s)), now,
                            probe_s=s.probe_s)
-        if (now - s.cut_at) * rate >= JITTER_HOLD:
+        if jitter:
             # Already strict, and the level held JITTER_HOLD requests since it was set or
             # last kept: a refusal that rare is the host's jitter meeting a strict
             # partner, not a level too high. Keep it (the Retry-After pause is the
@@ -408,9 +429,10 @@ def _settle(cfg: PolicyConfig, s: BudgetState, w_max: float, now: float,
 
 def _lower(cfg: PolicyConfig, s: BudgetState, cut_to: float, w_max: float,
            now: float) -> BudgetState:
+    # A cut says the limit moved down (or was never found): what held before says nothing.
     cut_to = max(cfg.floor, cut_to)
     return replace(s, w_max=max(cut_to, w_max), cut_to=cut_to, cut_at=now, rate=cut_to,
-                   probe_s=cfg.probe_s, learnt_at=now, last_cut="lower")
+                   probe_s=cfg.probe_s, learnt_at=now, last_cut="lower", held=None)
 
 
 def _announce(cfg: PolicyConfig, s: BudgetState, ev: Announce, now: float) -> BudgetState:

@@ -114,7 +114,7 @@ def test_recovery_is_concave_to_the_plateau_then_probes_to_the_ceiling() -> None
     assert at[5] == pytest.approx(99.0)  # the top: ceiling less headroom
 
 
-def test_a_failed_probe_settles_just_under_it_and_doubles_the_next_probe() -> None:
+def test_a_failed_probe_settles_halfway_to_the_plateau_and_doubles_the_next_probe() -> None:
     c = cfg(probe_seconds=12.0, recovery_seconds=8.0)
     s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 0.5), T0)
     plateau = s.w_max
@@ -124,16 +124,60 @@ def test_a_failed_probe_settles_just_under_it_and_doubles_the_next_probe() -> No
     assert probed > plateau * policy.NEAR
     s = step(c, s, Throttle(T0 + 16.0, 0.5), T0 + 16.0)
     assert s.probe_s == 24.0
-    assert s.w_max == pytest.approx(max(plateau, probed * policy.PROBE_BACK))
+    # Between the plateau, which held, and the rate that failed.
+    assert s.held == pytest.approx(plateau)
+    assert s.w_max == pytest.approx((plateau + probed) / 2)
     assert s.rate == s.w_max
-    # Refused on that plateau after it held: pace strictly at the same rate first...
+    settled = s.rate
+    # Refused on that level after it held a while: strictly, halfway down to what held...
     assert not s.strict
     s = step(c, s, Throttle(T0 + 17.0, 0.5), T0 + 18.0)
     assert s.strict
-    assert s.rate == pytest.approx(probed * policy.PROBE_BACK)
-    # ...then, strict already, a step lower; never a deep cut.
+    assert s.rate == pytest.approx((plateau + settled) / 2)
+    # ...and again; never a deep cut, never under what held.
     s = step(c, s, Throttle(T0 + 19.0, 0.5), T0 + 20.0)
-    assert s.rate == pytest.approx(probed * policy.PROBE_BACK ** 2)
+    assert s.rate == pytest.approx((plateau + (plateau + settled) / 2) / 2)
+    assert s.rate > plateau
+    assert s.last_cut == "probe"
+
+
+def test_a_probe_failing_just_over_the_plateau_settles_a_step_under_it() -> None:
+    # Halfway would be above a step under the failed rate, which was already too high.
+    c = cfg(probe_seconds=12.0, recovery_seconds=8.0)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 0.5), T0)
+    plateau = s.w_max
+    assert plateau is not None
+    probed = plateau * 1.05
+    s = step(c, replace_rate(s, probed), Throttle(T0 + 9.0, 0.5), T0 + 9.0)
+    assert s.rate == pytest.approx(probed * policy.PROBE_BACK)
+
+
+def test_on_the_level_that_held_the_steps_are_small_again_and_a_drop_forgets_it() -> None:
+    c = cfg(probe_seconds=12.0, recovery_seconds=8.0)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 0.5), T0)
+    plateau = s.w_max
+    assert plateau is not None
+    s = step(c, s, Success(), T0 + 16.0)
+    s = step(c, s, Throttle(T0 + 16.0, 0.5), T0 + 16.0)
+    t = T0 + 16.0
+    for _ in range(10):  # refused on every level down: halfway each time, to what held
+        if s.rate <= plateau * policy.NEAR:
+            break
+        was = s.rate
+        t += 5.0
+        s = step(c, s, Throttle(t, 0.5), t)
+        assert s.rate == pytest.approx((plateau + was) / 2)
+    assert plateau < s.rate <= plateau * policy.NEAR
+    # Refused on the level that held itself: 3 % steps, strictly, as with no level held.
+    level = s.rate
+    t += 5.0
+    s = step(c, s, Throttle(t, 0.5), t)
+    assert s.rate == pytest.approx(level * policy.PROBE_BACK)
+    # A cut (refused twice as soon as it resumed) says the limit moved: what held is void.
+    s = step(c, s, Throttle(t + 0.6, 0.5), t + 0.6)
+    s = step(c, s, Throttle(t + 1.2, 0.5), t + 1.2)
+    assert s.last_cut == "lower"
+    assert s.held is None
 
 
 def test_reaching_the_top_without_a_429_forgets_the_learnt_limit() -> None:
@@ -203,6 +247,21 @@ def test_memory_starts_from_a_plateau_raised_since_it_was_verified() -> None:
     # A verified plateau above the last one (a drop late in the run) starts at the last.
     dropped = replace(raised, verified=60.0)
     assert remembered(c, dropped, T0 + 30).rate == pytest.approx(43.8, rel=0.01)
+
+
+def test_memory_starts_at_a_level_found_between_one_that_held_and_ones_refused() -> None:
+    # Not a step under it: that would cost 3 % until the next probe, minutes away.
+    c = cfg(probe_seconds=12.0, recovery_seconds=8.0)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 0.5), T0)
+    s = step(c, s, Success(), T0 + 16.0)
+    s = step(c, s, Throttle(T0 + 16.0, 0.5), T0 + 16.0)  # a failed probe: halfway
+    s = step(c, s, Throttle(T0 + 21.0, 0.5), T0 + 21.0)  # refused: halfway again
+    assert s.held is not None
+    assert s.w_max is not None
+    assert remembered(c, s, T0 + 30).rate == pytest.approx(s.w_max, rel=0.001)
+    # Without a level that held, a step under it, as before.
+    assert remembered(c, replace(s, held=None), T0 + 30).rate == pytest.approx(
+        s.w_max * policy.PROBE_BACK, rel=0.001)
 
 
 def test_memory_keeps_a_pause_in_force_and_drops_one_that_ended() -> None:
@@ -320,16 +379,19 @@ def test_refused_on_the_settled_level_as_soon_as_it_resumed_is_a_drop_not_a_clos
     s = step(c, s, Success(), T0 + 16.0)
     s = step(c, s, Throttle(T0 + 16.0, 1.0), T0 + 16.0)  # a failed probe: settled
     settled = s.rate
-    # 0.1 s after the pause ended: once proves nothing (a close arrival: pace strictly)...
+    assert s.held is not None
+    # 0.1 s after the pause ended: once proves nothing (a close arrival, or a level a
+    # little high: strictly, halfway down to the level that held)...
     s = step(c, s, Throttle(T0 + 17.1, 1.0), T0 + 17.1)
     assert s.strict
-    assert s.rate == pytest.approx(settled)
+    stepped = (s.held + settled) / 2
+    assert s.rate == pytest.approx(stepped)
     # ...twice in a row, the limit moved down: a cut...
     s = step(c, s, Throttle(T0 + 18.2, 1.0), T0 + 18.2)
     assert s.last_cut == "lower"
-    assert s.rate == pytest.approx(settled * c.decrease_factor)
+    assert s.rate == pytest.approx(stepped * c.decrease_factor)
     s = step(c, s, Throttle(T0 + 19.3, 1.0), T0 + 19.3)  # and again at once: far below
-    assert s.rate == pytest.approx(settled * c.decrease_factor * policy.HALVE)
+    assert s.rate == pytest.approx(stepped * c.decrease_factor * policy.HALVE)
 
 
 def test_a_close_arrival_long_after_the_pause_breaks_the_run_of_quick_refusals() -> None:
@@ -438,7 +500,10 @@ def test_a_rare_refusal_on_a_strict_settled_level_keeps_it_and_a_sooner_one_step
     s = step(c, s, Throttle(T0 + 30.0 + hold_s, 1.0), T0 + 30.0 + hold_s)
     assert s.rate == pytest.approx(level)
     assert s.strict
-    # Refused again sooner than that: the level is a little high after all.
+    # Refused again sooner than that: the level is a little high after all (halfway down
+    # to the failed probe's plateau, which held).
     later = T0 + 30.0 + hold_s * 1.5
     s = step(c, s, Throttle(later, 1.0), later)
-    assert s.rate == pytest.approx(level * policy.PROBE_BACK)
+    assert s.held is not None
+    assert s.held < s.rate < level
+    assert s.rate == pytest.approx((s.held + level) / 2)

@@ -26,14 +26,17 @@ The policy, and why:
   our own pace, and the partner's bucket refills only up to its burst while we wait.
 * **Recovery is CUBIC-shaped**: concave back to ``W_max`` within ``recovery_s``, flat
   there, then a convex probe that reaches the ceiling after ``probe_s``. A failed probe
-  says the limit lies just under the rate that failed: the plateau moves to 0.97 of it
-  (never under the old plateau, which held) and the next probe takes twice as long (up to
-  ``max_probe_s``), so a stable limit is probed ever more rarely while a moved one is still
-  found. Throttled on that plateau after it held, it steps down another 3 %, not by a deep
-  cut, and the next probe is not put off (a close arrival is not a failed probe), unless
-  it held ``JITTER_HOLD`` requests first: a refusal that rare is jitter, and the level is
-  kept. Throttled on it as soon as it resumed, twice in a row, the limit moved down: a
-  cut, then halving.
+  says the limit lies between the plateau, which held (``held``), and the rate that
+  failed: the new plateau is halfway between them (0.97 of the failed rate if that is
+  lower), and the next probe takes twice as long (up to ``max_probe_s``), so a stable
+  limit is probed ever more rarely while a moved one is still found. Throttled on that
+  plateau after it held, it goes halfway down to ``held`` again, strictly paced (with no
+  level known to hold: strict pacing first, then 3 % steps), not by a deep cut, and the
+  next probe is not put off (a close arrival is not a failed probe), unless it held
+  ``JITTER_HOLD`` requests first: a refusal that rare is jitter, and the level is kept.
+  Halving the gap finds a bucket's limit in four 429s where 3 % steps took seven, each a
+  whole-second ``Retry-After``. Throttled on it as soon as it resumed, twice in a row,
+  the limit moved down: a cut, then halving, and what held is forgotten.
   A cut resets the probe's length, so a limit that drops and comes back is found again
   within ``recovery_s + probe_s``.
 * **One cut per episode**: a 429 for a request granted before the last cut was sent at
@@ -51,10 +54,11 @@ The policy, and why:
   the state starts afresh at the ceiling.
 * **Memory**: :func:`remembered` starts a new run from what an earlier one learnt, capped
   by the ceiling and drifting back towards it with ``half_life_s``. It trusts a plateau
-  that held (``VERIFIED_AFTER`` recovery periods without a 429) and starts a step under one
-  that never did. A pause in force is kept, so a restart during a 900 s pause sends
-  nothing before it ends; one ending later than ``max_pause_s`` from the restart (saved
-  by a release that did not bound pauses, or by a clock that jumped) is dropped.
+  that held (``VERIFIED_AFTER`` recovery periods without a 429) and a level found by
+  halving the gap to one that held, and starts a step under any other. A pause in force
+  is kept, so a restart during a 900 s pause sends nothing before it ends; one ending
+  later than ``max_pause_s`` from the restart (saved by a release that did not bound
+  pauses, or by a clock that jumped) is dropped.
 """
 
 from __future__ import annotations

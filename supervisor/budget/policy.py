@@ -308,8 +308,12 @@ def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
             and now - s.cut_at >= VERIFIED_AFTER * cfg.recovery_s):
         s = replace(s, verified=s.w_max)
     rate = curve(cfg, s, now)
-    if s.w_max is not None and rate >= top(cfg, s) and now - s.cut_at >= cfg.recovery_s:
-        # The probe reached the top without a 429: whatever was learnt no longer holds.
+    if (s.w_max is not None and rate >= top(cfg, s)
+            and now - s.cut_at >= 2 * cfg.recovery_s + s.probe_s):
+        # The probe reached the top and held it a recovery period without a 429: whatever
+        # was learnt no longer holds. Forgotten as soon as it got there, a limit at 85 %
+        # of the ceiling behind a bucket of 10 (which let the probe's last steps through)
+        # was found again from the ceiling by an edge trim and a halving every 20 s (1.64).
         return replace(s, rate=rate, w_max=None, verified=None, held=None,
                        probe_s=cfg.probe_s)
     return s if rate == s.rate else replace(s, rate=rate)

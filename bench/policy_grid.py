@@ -17,8 +17,17 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from supervisor.budget.policy import PolicyConfig, Success, Throttle, initial, step
+from supervisor.budget.policy import (
+    BudgetState,
+    PolicyConfig,
+    Success,
+    Throttle,
+    initial,
+    step,
+)
 from supervisor.budget.settings import LimitsConfig
 
 T0 = 1_800_000_000.0
@@ -26,16 +35,32 @@ SHARES = (0.10, 0.20, 0.35, 0.50, 0.70, 0.84, 0.97)
 BURSTS = (1.5, 2.0, 5.0, 10.0, 25.0)
 
 
-def drain(ceiling: float, limit: float, burst: float, n: int) -> tuple[float, int]:
-    """(time / (n / limit), 429s) for ``n`` requests paced by the policy."""
+@dataclass
+class Run:
+    refused: int
+    done: int
+    seconds: float
+    state: BudgetState
+
+    def ratio(self, limit: float) -> float:
+        return self.seconds / (self.done / limit)
+
+
+def steady(rate: float) -> Callable[[float], float]:
+    return lambda _t: rate
+
+
+def drain(ceiling: float, limit: Callable[[float], float], burst: float, n: int) -> Run:
+    """Send ``n`` requests paced by the policy to a bucket refilling at ``limit(t)``/s."""
     c = PolicyConfig.from_limits(LimitsConfig(rate_per_second=ceiling, floor_per_second=0.5))
     s = initial(c)
     t = last = 0.0
     tokens = burst
     done = refused = 0
-    while done < n and t < 100 * n / limit:
+    while done < n and t < 100 * n / limit(0.0):
         t = max(t + 1.0 / s.rate, s.paused_until - T0)
-        tokens = min(burst, tokens + (t - last) * limit)
+        rate = limit(t)
+        tokens = min(burst, tokens + (t - last) * rate)
         last = t
         if tokens >= 1.0:
             tokens -= 1.0
@@ -43,9 +68,9 @@ def drain(ceiling: float, limit: float, burst: float, n: int) -> tuple[float, in
             s = step(c, s, Success(), T0 + t)
         else:
             refused += 1
-            retry_after = float(math.ceil((1.0 - tokens) / limit))
+            retry_after = float(math.ceil((1.0 - tokens) / rate))
             s = step(c, s, Throttle(T0 + t, retry_after), T0 + t)
-    return t / (n / limit), refused
+    return Run(refused, done, t, s)
 
 
 def main() -> None:
@@ -62,9 +87,9 @@ def main() -> None:
             limit = share * args.ceiling
             cells = []
             for burst in BURSTS:
-                ratio, refused = drain(args.ceiling, limit, burst, int(seconds * limit))
-                ratios.append((ratio, f"limit {share:.0%}, burst {burst:g}"))
-                cells.append(f"{ratio:.3f} ({refused})")
+                run = drain(args.ceiling, steady(limit), burst, int(seconds * limit))
+                ratios.append((run.ratio(limit), f"limit {share:.0%}, burst {burst:g}"))
+                cells.append(f"{run.ratio(limit):.3f} ({run.refused})")
             print(f"| {limit:g}/s ({share:.0%}) | " + " | ".join(cells) + " |")
         worst = max(ratios)
         print(f"\nmean {statistics.mean(r for r, _ in ratios):.3f}; "

@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 # bench/ is a folder of scripts (no package): its directory is on sys.path for the import.
 BENCH = str(Path(__file__).resolve().parents[2] / "bench")
@@ -37,17 +35,20 @@ def test_a_hidden_limit_under_a_ceiling_twice_too_high_is_found_in_four_429s(
     assert 48.0 <= run.state.w_max <= 50.0 * 1.05
 
 
-@given(limit=st.floats(min_value=10.0, max_value=90.0), burst=st.sampled_from([2.0, 5.0, 10.0]))
-@settings(max_examples=30, deadline=None)
-def test_any_hidden_limit_is_found_in_a_few_429s_and_held_within_a_few_percent(
-        limit: float, burst: float) -> None:
+@pytest.mark.parametrize("burst", [2.0, 5.0, 10.0])
+@pytest.mark.parametrize("limit", [float(x) for x in range(10, 91, 5)])
+def test_any_hidden_limit_costs_a_few_429s_and_ends_near_it(limit: float, burst: float) -> None:
+    # A grid, not random draws: the bounds are what this model measures at every point
+    # of it (429 share at most 2.3 %, at a limit a tenth of the ceiling; the slowest run
+    # 1.30 x N/R, a limit at 90 % of it found from underneath after a halving), with a
+    # little room, so a change that makes any point worse fails here.
     run = drain(ceiling=100.0, limit=lambda t: limit, burst=burst, n=int(60 * limit))
     assert run.done == int(60 * limit)
-    # A limit a tenth of the ceiling takes three halvings more; one just under the
-    # ceiling is found from underneath, a few percent low until the next probe; a bucket
-    # of 10 lets a level 9 % over a limit of 10/s through for 11 s at a time.
-    assert run.refused <= 15
-    assert 0.85 * limit <= run.state.rate <= 1.10 * limit
+    assert run.refused / (run.done + run.refused) <= 0.025
+    assert run.ratio(limit) <= 1.35
+    # Ends within reach of the limit: a bucket of 10 lets a level 9 % over 10/s through
+    # for 11 s at a time, and a level found from underneath may sit 8 % low.
+    assert 0.9 * limit <= run.state.rate <= 1.1 * limit
 
 
 def test_a_drop_under_a_level_that_held_is_followed_down_and_back_up() -> None:

@@ -41,6 +41,8 @@ class Run:
     done: int
     seconds: float
     state: BudgetState
+    # (time, rate) after every answer: how the policy followed the limit.
+    rates: list[tuple[float, float]]
 
     def ratio(self, limit: float) -> float:
         return self.seconds / (self.done / limit)
@@ -57,6 +59,7 @@ def drain(ceiling: float, limit: Callable[[float], float], burst: float, n: int)
     t = last = 0.0
     tokens = burst
     done = refused = 0
+    rates: list[tuple[float, float]] = []
     while done < n and t < 100 * n / limit(0.0):
         t = max(t + 1.0 / s.rate, s.paused_until - T0)
         rate = limit(t)
@@ -70,7 +73,8 @@ def drain(ceiling: float, limit: Callable[[float], float], burst: float, n: int)
             refused += 1
             retry_after = float(math.ceil((1.0 - tokens) / rate))
             s = step(c, s, Throttle(T0 + t, retry_after), T0 + t)
-    return Run(refused, done, t, s)
+        rates.append((t, s.rate))
+    return Run(refused, done, t, s, rates)
 
 
 def main() -> None:

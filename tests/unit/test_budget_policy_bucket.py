@@ -25,12 +25,13 @@ finally:
 
 
 @pytest.mark.parametrize("burst", [2.0, 10.0, 25.0])
-def test_a_hidden_limit_under_a_ceiling_twice_too_high_is_found_in_four_429s(
+def test_a_hidden_limit_under_a_ceiling_twice_too_high_is_found_in_five_429s(
         burst: float) -> None:
     run = drain(ceiling=100.0, limit=lambda t: 50.0, burst=burst, n=1500)
     assert run.done == 1500
-    # An edge trim, the halving, a failed probe, one step halfway down (3 % steps: seven).
-    assert run.refused <= 4
+    # An edge trim, the halving, a failed probe, two steps halfway down to the level that
+    # held (3 % steps: seven). A 12 s probe left the second step past the 30 s.
+    assert run.refused <= 5
     assert run.state.w_max is not None
     assert 48.0 <= run.state.w_max <= 50.0 * 1.05
 
@@ -60,3 +61,19 @@ def test_a_drop_under_a_level_that_held_is_followed_down_and_back_up() -> None:
     run = drain(ceiling=50.0, limit=limit, burst=10.0, n=1375)
     assert run.done == 1375
     assert run.state.rate >= 0.9 * 50.0
+
+
+@pytest.mark.parametrize(("burst", "within_s"), [(2.0, 10.0), (5.0, 10.0), (10.0, 10.0),
+                                                  (25.0, 15.0)])
+def test_a_limit_that_comes_back_is_followed_back_to_ninety_percent(
+        burst: float, within_s: float) -> None:
+    # The changing-limit cell of the bench (50/s, 12.5/s from 8 s to 18 s, then 50/s):
+    # the issue asks for 90 % of the limit within 15 s of its return. The model's figures
+    # are 7.9 - 9.0 s up to a burst of 10 and 13.9 s at 25 (a 12 s probe: 11.7 - 12.8 and
+    # 17.6), and the HTTP bench adds a second or two to them.
+    def limit(t: float) -> float:
+        return 12.5 if 8.0 <= t < 18.0 else 50.0
+
+    run = drain(ceiling=50.0, limit=limit, burst=burst, n=1375)
+    back = next(t for t, rate in run.rates if t >= 18.0 and rate >= 0.9 * 50.0)
+    assert back - 18.0 <= within_s

@@ -47,9 +47,9 @@ def test_any_hidden_limit_costs_a_few_429s_and_ends_near_it(limit: float, burst:
     assert run.done == int(60 * limit)
     assert run.refused / (run.done + run.refused) <= 0.025
     assert run.ratio(limit) <= 1.35
-    # Ends within reach of the limit: a bucket of 10 lets a level 9 % over 10/s through
-    # for 11 s at a time, and a level found from underneath may sit 8 % low.
-    assert 0.9 * limit <= run.state.rate <= 1.1 * limit
+    # Ends within reach of the limit: a bucket of 10 lets a probe 11 % over 10/s through
+    # for 9 s at a time, and a level found from underneath may sit 8 % low.
+    assert 0.9 * limit <= run.state.rate <= 1.12 * limit
 
 
 def test_a_drop_under_a_level_that_held_is_followed_down_and_back_up() -> None:

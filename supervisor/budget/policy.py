@@ -453,9 +453,11 @@ def _announce(cfg: PolicyConfig, s: BudgetState, ev: Announce, now: float) -> Bu
     high = top(cfg, s)
     if s.rate > high:
         # Like a cut (so a 429 in the same answer does not cut again), but to the
-        # announced limit itself: the partner said exactly what it allows.
-        return replace(s, rate=high, cut_at=now, cut_to=high,
-                       w_max=None if s.w_max is None else min(s.w_max, high))
+        # announced limit itself: the partner said exactly what it allows. What was
+        # learnt is kept as it was (the curve never goes above the announcement): capped
+        # here, a 429 at the top just before a lowered announcement held the rate at the
+        # low one for a 600 s probe after the partner announced its limit back.
+        return replace(s, rate=high, cut_at=now, cut_to=high)
     if s.w_max is None:
         return replace(s, rate=high)
     return s

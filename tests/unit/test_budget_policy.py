@@ -509,3 +509,17 @@ def test_a_rare_refusal_on_a_strict_settled_level_keeps_it_and_a_sooner_one_step
     assert s.held is not None
     assert s.held < s.rate < level
     assert s.rate == pytest.approx((s.held + level) / 2)
+
+
+def test_an_announcement_raised_again_lifts_the_rate_a_429_just_before_it_held_low() -> None:
+    # The partner's limit drops to a quarter: one 429 at the top (an edge, probed every
+    # 600 s) comes before the answer announcing it. When the partner announces its limit
+    # back, the rate follows within a recovery period, not after a 600 s probe.
+    c = cfg(rate_per_second=50.0)
+    s = step(c, initial(c), Throttle(T0, 1.0), T0)
+    assert s.last_cut == "edge"
+    s = step(c, s, policy.Announce(12.5), T0 + 0.1)
+    assert s.rate <= 12.5
+    s = step(c, s, policy.Announce(50.0), T0 + 10.0)
+    s = step(c, s, Success(), T0 + 10.0 + c.recovery_s)
+    assert s.rate >= 0.9 * 50.0

@@ -23,7 +23,7 @@ from supervisor import metrics
 from supervisor.budget.base import Feedback, Outcome, Policy, RateBudget
 from supervisor.config import PartnerConfig
 from supervisor.httputil import Ignored, parse_retry_after, report_ignored
-from supervisor.timestamps import epoch_seconds
+from supervisor.timestamps import MILLIS_FROM, epoch_seconds
 
 log = logging.getLogger(__name__)
 
@@ -169,12 +169,16 @@ def parse_policies(headers: Mapping[str, str], now: float, maximum: float = math
     limit = number(headers.get("X-RateLimit-Limit"), "X-RateLimit-Limit")
     if limit:
         remaining = number(headers.get("X-RateLimit-Remaining"), "X-RateLimit-Remaining")
-        until = _clamp(reset(headers.get("X-RateLimit-Reset"), "X-RateLimit-Reset"), None,
-                       maximum)
+        raw = number(headers.get("X-RateLimit-Reset"), "X-RateLimit-Reset")
+        until = _clamp(None if raw is None else reset_seconds(raw, now), None, maximum)
         # The window is not sent. A reset within a second is a per-second limit, a pace;
         # anything further is a budget to spend until the reset (its window is unknown:
         # a reset 30 s away may be the middle of a minute, so limit / reset is no pace).
-        window = 1.0 if until is not None and until <= 1 else 86400.0
+        # A Unix time in whole seconds is up to a second after the real reset, so one
+        # within two seconds is within one: read as a budget, a per-second window held
+        # every worker to its reset on each spent second (1.745 x N/R with no 429).
+        whole = raw is not None and _EPOCH_FROM < raw < MILLIS_FROM and raw == int(raw)
+        window = 1.0 if until is not None and until <= (2.0 if whole else 1.0) else 86400.0
         out["x-ratelimit"] = Policy("x-ratelimit", int(limit), window,
                                     None if remaining is None else int(remaining), until)
     return tuple(out.values())

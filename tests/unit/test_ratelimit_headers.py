@@ -51,6 +51,18 @@ def test_x_ratelimit_resetting_later_is_a_quota_not_a_pace() -> None:
     assert (p.window_s, p.remaining, p.reset_s) == (86400.0, 3, 30.0)
 
 
+def test_x_ratelimit_resetting_within_a_second_in_whole_unix_seconds_is_a_pace() -> None:
+    # The window resets 0.3 s from now; whole Unix seconds can only say "at the next
+    # second", 1.3 s away. Read as a budget, each spent second held every worker.
+    now = float(int(NOW)) + 0.7
+    (p,) = parse_policies({"X-RateLimit-Limit": "50", "X-RateLimit-Remaining": "3",
+                           "X-RateLimit-Reset": str(int(NOW) + 2)}, now)
+    assert p.window_s == 1.0
+    (p,) = parse_policies({"X-RateLimit-Limit": "50", "X-RateLimit-Remaining": "3",
+                           "X-RateLimit-Reset": "1.3"}, now)  # seconds left: exact
+    assert p.window_s == 86400.0
+
+
 def test_x_ratelimit_with_a_unix_time_is_a_quota_until_then() -> None:
     got = parse_policies({"X-RateLimit-Limit": "5000", "X-RateLimit-Remaining": "0",
                           "X-RateLimit-Reset": str(int(NOW + 1200))}, NOW)

@@ -449,8 +449,15 @@ def _announce(cfg: PolicyConfig, s: BudgetState, ev: Announce, now: float) -> Bu
     # keep. An infinite one would also make the state unserialisable as JSON.
     if ev.rate == s.announced or (ev.rate is not None and not 0 < ev.rate < math.inf):
         return s
+    was = top(cfg, s)
     s = replace(s, announced=ev.rate, uncut=None)  # what it knew before is not to come back
     high = top(cfg, s)
+    if high > was and s.w_max is not None and s.w_max >= PLATEAU * was:
+        # Learnt at the announced limit (an edge of it, probed every 600 s): the partner
+        # now announces more, so that edge is its old limit. Kept, a limit cut to a
+        # quarter and announced back held the rate at the quarter for the rest of a run.
+        return replace(s, rate=high, w_max=None, verified=None, held=None,
+                       probe_s=cfg.probe_s, cut_at=now, cut_to=high)
     if s.rate > high:
         # Like a cut (so a 429 in the same answer does not cut again), but to the
         # announced limit itself: the partner said exactly what it allows. What was

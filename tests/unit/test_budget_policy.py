@@ -523,3 +523,15 @@ def test_an_announcement_raised_again_lifts_the_rate_a_429_just_before_it_held_l
     s = step(c, s, policy.Announce(50.0), T0 + 10.0)
     s = step(c, s, Success(), T0 + 10.0 + c.recovery_s)
     assert s.rate >= 0.9 * 50.0
+
+
+def test_an_edge_learnt_at_the_announced_limit_is_dropped_when_it_is_announced_higher() -> None:
+    # Announced at a quarter first, then a 429 at that announced top (an edge, probed
+    # every 600 s): when the partner announces its full limit again, the rate goes there.
+    c = cfg(rate_per_second=50.0)
+    s = step(c, initial(c), policy.Announce(12.5), T0)
+    s = step(c, s, Throttle(T0 + 1.0, 1.0), T0 + 1.0)
+    assert s.rate < 12.5
+    s = step(c, s, policy.Announce(50.0), T0 + 10.0)
+    s = step(c, s, Success(), T0 + 10.1)
+    assert s.rate >= 0.9 * 50.0

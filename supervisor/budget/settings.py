@@ -48,9 +48,10 @@ class LimitsConfig:
     # the same level (at most max_probe_seconds). A per-minute window wants about 60.
     # The convex probe is at 90 % of the way after 97 % of probe_seconds, so a limit that
     # drops and comes back is followed within about recovery + probe of the last cut: 8 s
-    # found a return in 10.2 s (bucket of 10) and 12.9 s (sliding second) where 12 s took
-    # 13.9 and 16.2, and first runs against hidden limits were no worse in the model
-    # (bench/policy_grid.py: mean 1.211, worst 1.425 where 12 s gave 1.212 and 1.446).
+    # found a return in 9.6 s (bucket of 10) and 12.7 s (sliding second), three runs each,
+    # where 12 s took 13.4 and 16.5. The price: a second halving of the gap inside a 30 s
+    # first run against a hidden limit (bucket of 10: 1.161 x N/R, 1.126 at 12 s); over
+    # 300 s the policy grid is unchanged (bench/policy_grid.py: mean 1.050, 1.049 at 12 s).
     recovery_seconds: float = 8.0
     probe_seconds: float = 8.0
     max_probe_seconds: float = 600.0

@@ -36,7 +36,7 @@ class PolicyFeedback(ABC):
                 self._apply(pause, now)
         if feedback.outcome is Outcome.OK:
             self._slots.sample(feedback.latency_s, self._rate())
-            self._succeeded(now)
+            self._succeeded(now, grant.at)
         elif feedback.outcome is Outcome.THROTTLED:
             # A budget that paces by cuts says which one the request was paced under: a
             # 429 for a request granted before the last cut does not cut again.
@@ -61,7 +61,7 @@ class PolicyFeedback(ABC):
         was paced under, where the budget knows it)."""
 
     @abstractmethod
-    def _succeeded(self, now: float) -> None: ...
+    def _succeeded(self, now: float, sent_at: float) -> None: ...
 
     @abstractmethod
     def _rate(self) -> float:

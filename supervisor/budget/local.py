@@ -177,8 +177,8 @@ class LocalBudget(PolicyFeedback):
     def _apply(self, event: PolicyChange, now: float, cut: float | None = None) -> None:
         self._set(policy.step(self.cfg, self._state, event, now))
 
-    def _succeeded(self, now: float) -> None:
-        self._set(policy.step(self.cfg, self._state, policy.Success(), now))
+    def _succeeded(self, now: float, sent_at: float) -> None:
+        self._set(policy.step(self.cfg, self._state, policy.Success(sent_at), now))
 
     def _rate(self) -> float:
         return self._state.rate

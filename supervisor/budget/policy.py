@@ -21,9 +21,17 @@ The policy, and why:
   second of resuming at the rate just cut to (or just after an edge trim), the partner's
   burst drained at once and the limit is far below: **halve**, and
   climb back from underneath, because every step down from above costs a Retry-After pause
-  of every worker while a climb costs none. Measuring the partner's acceptance rate does
-  not help here: we pause on every Retry-After, so what succeeded before the 429 is just
-  our own pace, and the partner's bucket refills only up to its burst while we wait.
+  of every worker while a climb costs none. Halved from the top, the climb starts at once
+  (half is a floor, not a level that held), so that its probe measures the limit.
+* **The limit is measured, not guessed** (a delivery-rate estimate, ``_measured``). What
+  succeeded before a 429 is just our own pace, since every worker pauses on Retry-After,
+  so the partner's rate is read from two overloads instead: the run's first (the top,
+  from the first request to the first 429: the partner's burst plus its rate over that
+  time) and a failed probe's (its excess over the rate, from a full bucket). The rate
+  that satisfies both is the limit, within 1 % against a token bucket or GCRA in the
+  model; the plateau goes 2 % under it and the next probe is eight times slower. A
+  partner of another shape (a sliding log) yields no estimate, and halving the gap
+  (below) is the fallback.
 * **Recovery is CUBIC-shaped**: concave back to ``W_max`` within ``recovery_s``, flat
   there, then a convex probe that reaches the ceiling after ``probe_s``. A failed probe
   says the limit lies between the plateau, which held (``held``), and the rate that
@@ -35,7 +43,9 @@ The policy, and why:
   next probe is not put off (a close arrival is not a failed probe), unless it held
   ``JITTER_HOLD`` requests first: a refusal that rare is jitter, and the level is kept.
   Halving the gap finds a bucket's limit in four 429s where 3 % steps took seven, each a
-  whole-second ``Retry-After``. Throttled on it as soon as it resumed, twice in a row,
+  whole-second ``Retry-After``; a probe refused just over its plateau keeps the plateau,
+  and refused where the edge was last found (measured or refused), the edge has not
+  moved: probing slows eightfold each time, to ``max_probe_s``. Throttled on it as soon as it resumed, twice in a row,
   the limit moved down: a cut, then halving, and what held is forgotten.
   A cut resets the probe's length, so a limit that drops and comes back is found again
   within ``recovery_s + probe_s``.
@@ -63,6 +73,7 @@ The policy, and why:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -74,12 +85,21 @@ from supervisor.budget.settings import LimitsConfig
 PLATEAU = 0.95
 # Within this factor of a rate counts as "at" it.
 NEAR = 1.03
+# A probe this far over its plateau is above it, not at it (a strict pace is exact).
+JUST_OVER = 1.005
 # The cut when throttled again at once: the limit is far below.
 HALVE = 0.5
 # A 429 this soon after resuming, at the rate just cut to, means the limit is far below.
 FAR_WITHIN_S = 1.0
 # After a failed probe, the plateau sits this far under the rate that failed.
 PROBE_BACK = 0.97
+# ...or this far under the limit that probe measured (_measured).
+MEASURED_BACK = 0.98
+# ...and the next probe is this many times slower (a limit that rose is found within a
+# minute or two, not ten seconds).
+MEASURED_PROBE = 8.0
+# The run's first 429 this soon after its first request measures the partner's burst.
+FIRST_WITHIN_S = 5.0
 # A plateau that held this many recovery periods without a 429 is trusted by memory.
 VERIFIED_AFTER = 2.0
 # A settled, strictly paced level refused once after this many requests held is kept
@@ -149,6 +169,13 @@ class BudgetState:
     # The highest level that held through a recovery period before a probe above it
     # failed: the limit lies between it and what failed, so a step down goes halfway to it.
     held: float | None = None
+    # The run's first overload measures the partner's burst: when the first request left
+    # (``began``), and the rate and seconds it ran at the top before the first 429.
+    began: float = 0.0
+    first_rate: float = 0.0
+    first_s: float = 0.0
+    estimate: float | None = None  # the limit the last failed probe measured
+    recover_s: float | None = None  # the recovery's length, when not recovery_s
     # What a 429 without Retry-After cut, as it was: restored if the next request is
     # refused too with nothing accepted between (a storm, not a limit).
     uncut: dict[str, Any] | None = field(default=None, hash=False)
@@ -167,7 +194,10 @@ class BudgetState:
 
 @dataclass(frozen=True, slots=True)
 class Success:
-    """A request the partner accepted (or answered 404)."""
+    """A request the partner accepted (or answered 404), granted at ``sent_at`` (0: not
+    known, taken as now)."""
+
+    sent_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,8 +286,9 @@ def remembered(cfg: PolicyConfig, memory: BudgetState, now: float) -> BudgetStat
     w_max = max(cfg.floor, min(w_max, top(cfg, s)))
     # Hold the remembered plateau, then probe as slowly as a confirmed limit: the drift
     # across runs, not a probe within one, is what brings the rate back to the ceiling.
+    # The partner's burst, as the first run measured it, is the partner's still.
     return replace(s, w_max=w_max, cut_to=w_max, cut_at=now, rate=w_max, verified=w_max,
-                   last_cut="probe")
+                   last_cut="probe", first_rate=memory.first_rate, first_s=memory.first_s)
 
 
 def overlong(cfg: PolicyConfig, s: BudgetState, now: float) -> bool:
@@ -267,6 +298,8 @@ def overlong(cfg: PolicyConfig, s: BudgetState, now: float) -> bool:
 
 def step(cfg: PolicyConfig, s: BudgetState, event: Event, now: float) -> BudgetState:
     if isinstance(event, Success):
+        if not s.began and s.w_max is None and not s.last_cut:
+            s = replace(s, began=event.sent_at or now)  # a fresh state's first request
         return _recover(cfg, s, now)
     if isinstance(event, Throttle):
         return _throttle(cfg, s, event, now)
@@ -290,7 +323,7 @@ def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
         return high
     plateau = min(s.w_max, high)
     t = now - s.cut_at
-    k = cfg.recovery_s
+    k = _recovery_s(cfg, s)
     if t < k:
         rate = plateau - (plateau - s.cut_to) * ((k - t) / k) ** 3
     else:
@@ -304,6 +337,11 @@ def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
         s = replace(s, blind=0, uncut=None)  # accepted after the backoff: the cut holds
     if s.quick and now - max(s.paused_until, s.cut_at) >= FAR_WITHIN_S:
         s = replace(s, quick=0)  # accepted for a while since: the run of quick refusals ends
+    if (s.first_s and s.last_cut == "edge"
+            and now - max(s.paused_until, s.cut_at) >= FAR_WITHIN_S):
+        # The edge trim held: the first 429 was a close arrival at the partner's limit,
+        # not the top draining its burst, so it measured nothing.
+        s = replace(s, first_rate=0.0, first_s=0.0)
     if (s.w_max is not None and s.verified != s.w_max
             and now - s.cut_at >= VERIFIED_AFTER * cfg.recovery_s):
         s = replace(s, verified=s.w_max)
@@ -334,7 +372,7 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
     if ev.sent_at >= s.cut_at and not imposed and not closed:
         quick = 0 <= now - max(s.paused_until, s.cut_at) < FAR_WITHIN_S
         before = s
-        s = replace(_cut(cfg, s, now), quick=s.quick + 1 if quick else 0)
+        s = replace(_cut(cfg, s, now, ev.sent_at), quick=s.quick + 1 if quick else 0)
         if ev.retry_after_s is None and s.blind == 0:
             s = replace(s, uncut={k: getattr(before, k) for k in _LEARNT})
     if ev.retry_after_s is not None:
@@ -359,10 +397,10 @@ def _undo(cfg: PolicyConfig, s: BudgetState) -> BudgetState:
 
 # What a cut changes, and a storm's undoing restores.
 _LEARNT = ("rate", "w_max", "cut_to", "cut_at", "probe_s", "strict", "learnt_at", "last_cut",
-           "verified", "quick", "held")
+           "verified", "quick", "held", "estimate", "recover_s")
 
 
-def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
+def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float) -> BudgetState:
     rate = s.rate
     high = top(cfg, s)
     if s.w_max is None:
@@ -370,6 +408,10 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
             # An edge: the partner's limit is about the ceiling and two of our requests
             # came too close together for it. Trim, pace strictly, hardly ever re-probe.
             edge = _settle(cfg, replace(s, strict=True), rate * (1.0 - cfg.edge_trim), now)
+            if s.began and not s.last_cut and 0 < sent_at - s.began <= FIRST_WITHIN_S:
+                # The run's first 429, soon after the start at the top: what the partner
+                # took until then was its burst plus its rate over that time.
+                edge = replace(edge, first_rate=rate, first_s=sent_at - s.began)
             return replace(edge, probe_s=cfg.max_probe_s, last_cut="edge")
         return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
     # Refused again within a second of resuming, at the rate just cut to (or right after
@@ -384,7 +426,14 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
         # pacing's catch-up bursts (a quarter of an interval early) at any rate over 3/4
         # of its limit; tolerant again, a first run there was refused at once at half the
         # ceiling, halved again to a quarter and took 1.63 - 1.76 x N/R.
-        return _lower(cfg, s, rate * HALVE, rate * HALVE, now)
+        low = _lower(cfg, s, rate * HALVE, rate * HALVE, now)
+        if s.last_cut == "edge":
+            # The top refused twice at once: the limit is somewhere under it, and half is
+            # a floor, not a level that held. Climb at once: the probe's 429 measures the
+            # limit (_measured), where holding half for a recovery period first cost a
+            # quarter of a 30 s run against a limit at 84 % of the ceiling.
+            low = replace(low, recover_s=0.0)
+        return low
     if rate > plateau * NEAR:
         # A probe above the plateau failed: the limit lies between the plateau, which held
         # through the recovery, and this rate, which the partner's burst let through for a
@@ -395,7 +444,29 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
         # The next probe waits twice as long.
         held = max(plateau, s.held or 0.0)
         level = max(plateau, min(rate * PROBE_BACK, (held + rate) / 2))
-        return _settle(cfg, replace(s, held=held), level, now)
+        found = _measured(cfg, s, plateau, rate, sent_at)
+        if found is None:
+            return _settle(cfg, replace(s, held=held), level, now)
+        # Measured: settle just under it, and probe again eight times more slowly (each
+        # probe costs a 429, and a limit just over the level settled on is met within
+        # a 30 s run by a probe only twice as slow). Measured again where it was, the
+        # edge has not moved: no probing for the longest probe.
+        same = s.estimate is not None and abs(found - s.estimate) <= (NEAR - 1.0) * s.estimate
+        level = max(plateau, min(rate * PROBE_BACK, found * MEASURED_BACK))
+        probe_s = s.probe_s * (MEASURED_PROBE if not same else math.inf)
+        return _settle(cfg, replace(s, held=held, estimate=found), level, now,
+                       probe_s=min(cfg.max_probe_s, probe_s))
+    if rate > plateau * JUST_OVER and now - s.cut_at >= _recovery_s(cfg, s):
+        # The probe, refused just over the plateau that held through the recovery: the
+        # limit is right there, so the plateau is kept (stepping down halfway to an older
+        # level, as for the level itself refused, put a sliding log 1 % lower at every
+        # probe). Refused where the edge was last found, it has not moved: probe eight
+        # times more slowly. Otherwise the next probe comes no later (a limit that came
+        # back after a drop is still found within 15 s).
+        same = s.estimate is not None and abs(rate - s.estimate) <= (NEAR - 1.0) * s.estimate
+        probe_s = min(cfg.max_probe_s, s.probe_s * MEASURED_PROBE) if same else s.probe_s
+        return _settle(cfg, replace(s, held=max(plateau, s.held or 0.0), estimate=rate),
+                       plateau, now, probe_s=probe_s)
     if rate <= s.cut_to * NEAR and resumed_s < FAR_WITHIN_S and s.quick:
         # The level we settled on, refused as soon as we resumed, twice in a row: not a
         # close arrival (a bucket of one refuses those at random, so once soon after a
@@ -427,13 +498,57 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
     return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
 
 
+def _measured(cfg: PolicyConfig, s: BudgetState, plateau: float, failed: float,
+              refused_at: float) -> float | None:
+    """The partner's rate, from a probe that failed at ``refused_at`` (None: not known).
+
+    A delivery-rate estimate for a client that honours ``Retry-After``, which sees no
+    accepted rate while it waits: a bucket with ``b`` tokens refilling at ``r``/s that the
+    run's first overload drained at ``first_rate`` for ``first_s`` seconds says
+    ``b = (first_rate - r) * first_s``; the probe, which started with the bucket full
+    (the plateau held), was refused when its excess over ``r``, the integral of
+    ``curve - r``, reached ``b``. The one ``r`` satisfying both, between the plateau and
+    the rate refused, is the limit. A GCRA is such a bucket; a partner that is not (a
+    sliding log) can yield no root, or a low one, and the settle below caps the harm.
+    """
+    start = s.cut_at + _recovery_s(cfg, s)
+    high = min(failed, s.first_rate)
+    if not s.first_s or refused_at <= start or high <= plateau:
+        return None
+    dt = (refused_at - start) / _SAMPLES
+    rates = [curve(cfg, s, start + (i + 0.5) * dt) for i in range(_SAMPLES)]
+
+    def surplus(r: float) -> float:  # the probe's excess over r, less the burst at r
+        return sum(x - r for x in rates if x > r) * dt - (s.first_rate - r) * s.first_s
+
+    # Convex in r: positive at the plateau, the smaller root is the limit (the larger, if
+    # any, is an artefact of a probe that went past first_rate).
+    if surplus(plateau) <= 0:
+        return None
+    grid = [plateau + (high - plateau) * i / _SAMPLES for i in range(_SAMPLES + 1)]
+    for lo, hi in itertools.pairwise(grid):
+        if surplus(hi) <= 0:
+            for _ in range(30):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if surplus(mid) > 0 else (lo, mid)
+            return (lo + hi) / 2
+    return None
+
+
+_SAMPLES = 64
+
+
+def _recovery_s(cfg: PolicyConfig, s: BudgetState) -> float:
+    return cfg.recovery_s if s.recover_s is None else s.recover_s
+
+
 def _settle(cfg: PolicyConfig, s: BudgetState, w_max: float, now: float,
             probe_s: float | None = None) -> BudgetState:
     """Settle at ``w_max``; the next probe takes ``probe_s`` (default: twice as long)."""
     w_max = max(cfg.floor, w_max)
     probe_s = min(cfg.max_probe_s, s.probe_s * 2) if probe_s is None else probe_s
     return replace(s, rate=w_max, w_max=w_max, cut_to=w_max, cut_at=now, learnt_at=now,
-                   probe_s=probe_s, last_cut="probe")
+                   probe_s=probe_s, last_cut="probe", recover_s=None)
 
 
 def _lower(cfg: PolicyConfig, s: BudgetState, cut_to: float, w_max: float,
@@ -441,7 +556,8 @@ def _lower(cfg: PolicyConfig, s: BudgetState, cut_to: float, w_max: float,
     # A cut says the limit moved down (or was never found): what held before says nothing.
     cut_to = max(cfg.floor, cut_to)
     return replace(s, w_max=max(cut_to, w_max), cut_to=cut_to, cut_at=now, rate=cut_to,
-                   probe_s=cfg.probe_s, learnt_at=now, last_cut="lower", held=None)
+                   probe_s=cfg.probe_s, learnt_at=now, last_cut="lower", held=None,
+                   estimate=None, recover_s=None)
 
 
 def _announce(cfg: PolicyConfig, s: BudgetState, ev: Announce, now: float) -> BudgetState:

@@ -352,8 +352,8 @@ class PostgresBudget(PolicyFeedback):
         # budget_row.apply); the row is written with a NOTIFY (budget_row.with_events).
         self._view.event(event, now, cut)
 
-    def _succeeded(self, now: float) -> None:
-        self._view.success(now)
+    def _succeeded(self, now: float, sent_at: float) -> None:
+        self._view.success(now, sent_at)
 
     def _rate(self) -> float:
         return self._view.state.rate

@@ -207,9 +207,9 @@ class SharedView:
         self._cas = None
         self.kick()
 
-    def success(self, now: float) -> None:
+    def success(self, now: float, sent_at: float = 0.0) -> None:
         old = self.state
-        new = policy.step(self.cfg, old, policy.Success(), now)
+        new = policy.step(self.cfg, old, policy.Success(sent_at), now)
         self._set(new)
         if replace(new, rate=0.0) != replace(old, rate=0.0) and not self.pending:
             # Blind reset, a plateau verified, w_max dropped at the top: for everyone.

@@ -45,8 +45,9 @@ The policy, and why:
   Halving the gap finds a bucket's limit in four 429s where 3 % steps took seven, each a
   whole-second ``Retry-After``; a probe refused just over its plateau keeps the plateau,
   and refused where the edge was last found (measured or refused), the edge has not
-  moved: probing slows eightfold each time, to ``max_probe_s``. Throttled on it as soon as it resumed, twice in a row,
-  the limit moved down: a cut, then halving, and what held is forgotten.
+  moved: probing slows eightfold each time, to ``max_probe_s``. Throttled on it as soon
+  as it resumed, twice in a row, the limit moved down: a cut, then halving, and what held
+  is forgotten.
   A cut resets the probe's length, so a limit that drops and comes back is found again
   within ``recovery_s + probe_s``.
 * **One cut per episode**: a 429 for a request granted before the last cut was sent at

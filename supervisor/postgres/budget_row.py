@@ -81,7 +81,7 @@ class Pending:
     ``paced_cut`` is the ``cut_at`` of the state its request was paced under, as the
     replica knew it (None: not known, its ``sent_at`` decides alone)."""
 
-    event: policy.Throttle | policy.Announce | policy.Pause | policy.Resume
+    event: policy.Throttle | policy.Announce | policy.Pause | policy.Resume | policy.Success
     now: float
     paced_cut: float | None = None
 

@@ -211,6 +211,13 @@ class SharedView:
         old = self.state
         new = policy.step(self.cfg, old, policy.Success(sent_at), now)
         self._set(new)
+        if new.began != old.began and self.pending:
+            # The run's first request, behind events still to be written: the row takes
+            # it after them, or the write of those would drop when the run began (what
+            # the partner's burst is measured from).
+            self.pending.append(Pending(policy.Success(sent_at), now))
+            self.kick()
+            return
         if replace(new, rate=0.0) != replace(old, rate=0.0) and not self.pending:
             # Blind reset, a plateau verified, w_max dropped at the top: for everyone.
             self._cas = (self.version, new)

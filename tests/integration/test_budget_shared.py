@@ -403,6 +403,22 @@ async def test_an_announced_limit_is_shared_and_written_once(
     assert (await shared_row(pg))[1] == version
 
 
+async def test_when_the_run_began_reaches_the_row_behind_an_announcement(
+        replicas: Make, pg: PgSchema) -> None:
+    # The first answer carries both an announced policy (an event to write) and the run's
+    # first success, which the partner's burst is measured from (policy._measured): the
+    # row must keep both, or the replica adopting it forgets when the run began.
+    a, b = await replicas(), await replicas()
+    grant = await a.acquire()
+    a.release(grant, Feedback(Outcome.OK, 0.001,
+                              policies=(Policy("default", 80, 1.0, remaining=10, reset_s=1.0),)))
+    await a.save()
+    state, _ = await shared_row(pg)
+    assert state.announced == 80.0
+    assert state.began == grant.at
+    await until(lambda: b.snapshot().state.began == grant.at, 0.1)
+
+
 async def test_a_failed_write_is_retried_and_the_cut_never_lost(replicas: Make) -> None:
     a, b = await replicas(), await replicas()
     before = b.snapshot().rate

@@ -8,7 +8,8 @@ partner sends, and prints the ratio (time / (N / R)) and the 429s of every pair,
 30 s and a 300 s run, then the mean and the worst. A model, not a measurement: no network,
 no event loop. The bucket of one is left out of the grid (its refusals are the host's
 jitter): it runs last against a seeded model of that jitter (``Jitter``), a first run
-and a second from what it remembered. Seconds to run.
+and a second from what it remembered; then the simulator's own limiter classes (the
+sliding log the bucket model is not) with the Retry-After each sends. Seconds to run.
 
 Usage: python bench/policy_grid.py [--ceiling 100] [--seconds 30,300]
 """
@@ -22,6 +23,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cleanup_sandbox.limits import Gcra, Limiter, SlidingLog, TokenBucket
 from supervisor.budget.policy import (
     BudgetState,
     PolicyConfig,
@@ -148,6 +150,48 @@ def bucket_of_one(ceiling: float, limit: float, seeds: range) -> str:
             f"(worst {max(second):.3f})")
 
 
+def against(limiter: Limiter, ceiling: float, limit: float, n: int,
+            date_offset: float | None = None) -> Run:
+    """``n`` requests paced by the policy against one of the simulator's own limiters
+    (``cleanup_sandbox.limits``: a shape the token-bucket model above is not, such as the
+    sliding log), each 429 with the ``Retry-After`` it would send: whole seconds, or an
+    HTTP-date (a whole second of a partner clock ``date_offset`` s ahead of ours)."""
+    c = PolicyConfig.from_limits(LimitsConfig(rate_per_second=ceiling, floor_per_second=0.5))
+    s, t, done, refused = initial(c), 0.0, 0, 0
+    rates: list[tuple[float, float]] = []
+    while done < n and t < 100 * n / limit:
+        t = max(t + 1.0 / s.rate, s.paused_until - T0)
+        wait = limiter.acquire(t)
+        if wait is None:
+            done += 1
+            s = step(c, s, Success(T0 + t), T0 + t)
+        else:
+            refused += 1
+            if date_offset is None:
+                retry_after = float(max(1, math.ceil(wait)))
+            else:
+                retry_after = math.ceil(t + date_offset + wait) - (t + date_offset)
+            s = step(c, s, Throttle(T0 + t, retry_after), T0 + t)
+        rates.append((t, s.rate))
+    return Run(refused, done, t, s, rates)
+
+
+def shapes(ceiling: float, limit: float) -> list[str]:
+    """A first run (30 s at the limit) against each of the simulator's limiter shapes."""
+    n = int(30 * limit)
+    rows = []
+    for name, make in (("token bucket of 10", lambda: TokenBucket(limit, 10.0, 0.0)),
+                       ("token bucket of 2", lambda: TokenBucket(limit, 2.0, 0.0)),
+                       ("GCRA, burst 5", lambda: Gcra(limit, 5.0, 0.0)),
+                       ("sliding log, 1 s", lambda: SlidingLog(limit, 0.0))):
+        runs = [against(make(), ceiling, limit, n)]
+        if name.startswith("sliding"):  # the matrix's sliding cell answers with a date
+            runs += [against(make(), ceiling, limit, n, offset) for offset in (0.1, 0.4, 0.8)]
+        rows.append(f"- {name}: " + ", ".join(
+            f"{r.ratio(limit):.3f} ({r.refused})" for r in runs))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ceiling", type=float, default=100.0)
@@ -173,6 +217,10 @@ def main() -> None:
     print(f"\nA bucket of one at {limit:g}/s with the host's jitter (Jitter), seeds 0-7:")
     for name, ceiling in (("hidden (ceiling 2 x the limit)", args.ceiling), ("known", limit)):
         print(f"- {name}: {bucket_of_one(ceiling, limit, range(8))}")
+    print(f"\nThe simulator's own limiters at {limit:g}/s, hidden under {args.ceiling:g}/s, a "
+          "30 s first run: ratio (429s); the sliding log with whole seconds, then as an "
+          "HTTP-date from a partner clock 0.1, 0.4 and 0.8 s ahead:")
+    print("\n".join(shapes(args.ceiling, limit)))
 
 
 if __name__ == "__main__":

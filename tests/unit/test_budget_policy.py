@@ -535,3 +535,55 @@ def test_an_edge_learnt_at_the_announced_limit_is_dropped_when_it_is_announced_h
     s = step(c, s, policy.Announce(50.0), T0 + 10.0)
     s = step(c, s, Success(), T0 + 10.1)
     assert s.rate >= 0.9 * 50.0
+
+
+def first_overload(c: PolicyConfig) -> BudgetState:
+    """A run that began at T0 at the top, refused 0.2 s in (a bucket of 10 at 50/s under a
+    ceiling of 100/s), edge-trimmed, then refused again as soon as it resumed: halved."""
+    s = step(c, initial(c), Success(sent_at=T0), T0 + 0.001)
+    s = step(c, s, Throttle(T0 + 0.2, 1.0), T0 + 0.201)
+    return step(c, s, Throttle(T0 + 1.25, 1.0), T0 + 1.251)
+
+
+def test_the_runs_first_overload_is_kept_when_the_top_is_halved() -> None:
+    c = cfg()
+    s = first_overload(c)
+    assert s.began == T0  # the first request's grant, not its answer
+    assert s.first_rate == pytest.approx(99.0)
+    assert s.first_s == pytest.approx(0.2)
+    assert s.rate == pytest.approx(99.0 * 0.97 * policy.HALVE)
+    # Half is a floor, not a level that held: the climb starts at once.
+    assert curve(c, s, T0 + 5.0) > s.rate
+
+
+def test_an_edge_trim_that_holds_measured_nothing() -> None:
+    # At a known limit the first 429 is a close arrival, not a burst drained: once the
+    # trimmed rate is accepted for a second, the overload is forgotten.
+    c = cfg()
+    s = step(c, initial(c), Success(sent_at=T0), T0 + 0.001)
+    s = step(c, s, Throttle(T0 + 0.2, 1.0), T0 + 0.201)
+    assert s.first_s == pytest.approx(0.2)
+    s = step(c, s, Success(sent_at=T0 + 2.3), T0 + 2.301)
+    assert s.first_s == 0.0
+    assert s.first_rate == 0.0
+
+
+def test_a_probe_refused_just_over_its_plateau_keeps_the_plateau() -> None:
+    c = cfg()
+    s = replace(first_overload(c), estimate=None)
+    plateau = s.w_max
+    assert plateau is not None
+    # Into the probe, more than a second after the pause, the rate a little over the
+    # plateau, refused: the limit is right there. (Sooner, it would be a quick refusal.)
+    at = s.paused_until + 1.1
+    s = replace(s, rate=curve(c, s, at))
+    assert 1.005 < s.rate / plateau < 1.03
+    kept = step(c, s, Throttle(at, 1.0), at)
+    assert kept.w_max == pytest.approx(plateau)
+    assert kept.probe_s == s.probe_s  # the next probe no later: a limit may have come back
+    # Refused again just over it, at the same place: the edge has not moved.
+    again_at = at + 1.0 + c.recovery_s + kept.probe_s / 2
+    again = replace(kept, rate=kept.w_max * 1.008)
+    slower = step(c, again, Throttle(again_at, 1.0), again_at)
+    assert slower.w_max == pytest.approx(plateau)
+    assert slower.probe_s == pytest.approx(min(c.max_probe_s, kept.probe_s * 8))

@@ -231,11 +231,14 @@ async def check_no_alert(o: Observed) -> None:
     for name, found in (*o.alerts_mid.items(), *at_end_exprs.items()):
         assert found == [], (name, found)
     # The storm's pauses were counted (what CleanupLimiterPausedLong adds up): about the
-    # storm's length (Retry-After in whole seconds, rounded up), far from 15 minutes.
+    # storm's length, far from 15 minutes. Besides the storm, finding the limit hidden
+    # under a ceiling twice too high pauses three times for the partner's whole-second
+    # Retry-After (the edge trim, the halving, the probe that measures the limit), and
+    # Prometheus's increase() extrapolates over the window: 8.9 s on a slow CI.
     window = math.ceil(o.end - o.opened_at)
     [paused] = await prom.query(
         f"sum(increase(cleanup_limiter_paused_seconds_total[{window}s]))", o.end)
-    assert 1.0 <= float(paused["value"][1]) <= STORM_S + 3.0, (paused, s)
+    assert 1.0 <= float(paused["value"][1]) <= STORM_S + 3 * 1.0 + 2.0, (paused, s)
     # Prometheus loaded every rule and evaluated each without an error on real series.
     loaded = [r for g in (await prom.api("/api/v1/rules"))["groups"] for r in g["rules"]]
     assert sorted(r["name"] for r in loaded) == sorted(r["alert"] for r in rules)

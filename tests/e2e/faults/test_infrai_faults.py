@@ -43,6 +43,7 @@ from tests.e2e.faults.harness import (
 )
 from tests.e2e.harness import E2E, Infrai, Sandbox
 from tests.e2e.ledger_file import attempts_started_after
+from tests.helpers import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -208,20 +209,29 @@ async def test_duplicate_deliveries(e2e: E2E, fault: Fault, mode: Mode) -> None:
     await svc.start()
     run_id = await svc.open_run()
     await settle(svc, run_id, probing=True)
-    m = await svc.metrics()
-    recognised = (m.get("cleanup_queue_duplicate_deliveries_total")
-                  + m.get("cleanup_queue_dropped_deliveries_total", reason="settled"))
+    # The consumers keep polling after the run settled, and the emulator keeps handing
+    # out copies: count the copies first, then wait for the service to have recognised
+    # that many (a copy is counted when handed out, recognised a moment later; read the
+    # other way round, a copy handed out between the two reads failed a slow CI).
+    handed_out = (await infrai.queue_stats())["duplicates_injected"]
+
+    async def recognised() -> float | None:
+        m = await svc.metrics()
+        seen = (m.get("cleanup_queue_duplicate_deliveries_total")
+                + m.get("cleanup_queue_dropped_deliveries_total", reason="settled"))
+        return seen if seen >= handed_out else None
+
+    # Every copy handed out was recognised as one: none led to an attempt (below).
+    seen = await eventually(recognised, 10.0, f"{handed_out} copies recognised")
     v = await verify(e2e, svc, sandbox, run_id, mode, fault)
     assert v.infrai_stats is not None
     injected = v.infrai_stats["queues"][infrai.queue]["duplicates_injected"]
-    assert injected >= 10, v.infrai_stats
+    assert injected >= handed_out >= 10, v.infrai_stats
     assert faults_in(await infrai.log(), infrai.queue)["duplicate"] == injected
-    # Every injected copy was recognised as one: none led to an attempt.
-    assert recognised >= injected, (recognised, injected)
     assert v.ledger.attempts["delete"] == v.stats["requests"] == POPULATION
     assert v.stats["executions"] == POPULATION
     fault.record.notes.update({"duplicates_injected": injected,
-                               "recognised": int(recognised)})
+                               "recognised": int(seen)})
 
 
 # -- 3. a visibility timeout shorter than a partner pause -----------------------------------

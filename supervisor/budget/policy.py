@@ -452,9 +452,8 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float) -> Budge
         # probe costs a 429, and a limit just over the level settled on is met within
         # a 30 s run by a probe only twice as slow). Measured again where it was, the
         # edge has not moved: no probing for the longest probe.
-        same = s.estimate is not None and abs(found - s.estimate) <= (NEAR - 1.0) * s.estimate
         level = max(plateau, min(rate * PROBE_BACK, found * MEASURED_BACK))
-        probe_s = s.probe_s * (MEASURED_PROBE if not same else math.inf)
+        probe_s = cfg.max_probe_s if _same_edge(s, found) else s.probe_s * MEASURED_PROBE
         return _settle(cfg, replace(s, held=held, estimate=found), level, now,
                        probe_s=min(cfg.max_probe_s, probe_s))
     if rate > plateau * JUST_OVER and now - s.cut_at >= _recovery_s(cfg, s):
@@ -464,10 +463,9 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float) -> Budge
         # probe). Refused where the edge was last found, it has not moved: probe eight
         # times more slowly. Otherwise the next probe comes no later (a limit that came
         # back after a drop is still found within 15 s).
-        same = s.estimate is not None and abs(rate - s.estimate) <= (NEAR - 1.0) * s.estimate
-        probe_s = min(cfg.max_probe_s, s.probe_s * MEASURED_PROBE) if same else s.probe_s
+        probe_s = s.probe_s * MEASURED_PROBE if _same_edge(s, rate) else s.probe_s
         return _settle(cfg, replace(s, held=max(plateau, s.held or 0.0), estimate=rate),
-                       plateau, now, probe_s=probe_s)
+                       plateau, now, probe_s=min(cfg.max_probe_s, probe_s))
     if rate <= s.cut_to * NEAR and resumed_s < FAR_WITHIN_S and s.quick:
         # The level we settled on, refused as soon as we resumed, twice in a row: not a
         # close arrival (a bucket of one refuses those at random, so once soon after a
@@ -537,6 +535,11 @@ def _measured(cfg: PolicyConfig, s: BudgetState, plateau: float, failed: float,
 
 
 _SAMPLES = 64
+
+
+def _same_edge(s: BudgetState, rate: float) -> bool:
+    """Whether ``rate`` is where the edge was last found (measured or refused)."""
+    return s.estimate is not None and abs(rate - s.estimate) <= (NEAR - 1.0) * s.estimate
 
 
 def _recovery_s(cfg: PolicyConfig, s: BudgetState) -> float:

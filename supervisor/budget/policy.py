@@ -23,15 +23,12 @@ The policy, and why:
   climb back from underneath, because every step down from above costs a Retry-After pause
   of every worker while a climb costs none. Halved from the top, the climb starts at once
   (half is a floor, not a level that held), so that its probe measures the limit.
-* **The limit is measured, not guessed** (a delivery-rate estimate, ``_measured``). What
+* **The limit is measured, not guessed** (:mod:`supervisor.budget.estimate`). What
   succeeded before a 429 is just our own pace, since every worker pauses on Retry-After,
   so the partner's rate is read from two overloads instead: the run's first (the top,
-  from the first request to the first 429: the partner's burst plus its rate over that
-  time) and a failed probe's (its excess over the rate, from a full bucket). The rate
-  that satisfies both is the limit, within 1 % against a token bucket or GCRA in the
-  model; the plateau goes 2 % under it and the next probe is eight times slower. A
-  partner of another shape (a sliding log) yields no estimate, and halving the gap
-  (below) is the fallback.
+  from the first request to the first 429) and a failed probe's. The plateau goes 2 %
+  under it and the next probe is eight times slower. A partner of another shape (a
+  sliding log) yields no estimate, and halving the gap (below) is the fallback.
 * **Recovery is CUBIC-shaped**: concave back to ``W_max`` within ``recovery_s``, flat
   there, then a convex probe that reaches the ceiling after ``probe_s``. A failed probe
   says the limit lies between the plateau, which held (``held``), and the rate that
@@ -41,7 +38,8 @@ The policy, and why:
   plateau after it held, it goes halfway down to ``held`` again, strictly paced (with no
   level known to hold: strict pacing first, then 3 % steps), not by a deep cut, and the
   next probe is not put off (a close arrival is not a failed probe), unless it held
-  ``JITTER_HOLD`` requests first: a refusal that rare is jitter, and the level is kept.
+  long enough first (:func:`jitter_hold`: refusals rarer than a step down would cost are
+  jitter), and the level is kept.
   Halving the gap finds a bucket's limit in four 429s where 3 % steps took seven, each a
   whole-second ``Retry-After``; a probe refused just over its plateau keeps the plateau,
   and refused where the edge was last found (measured or refused), the edge has not
@@ -74,11 +72,11 @@ The policy, and why:
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from supervisor.budget import estimate
 from supervisor.budget.settings import LimitsConfig
 
 # W_max sits this far under the rate that was throttled: the partner let that rate through
@@ -103,9 +101,10 @@ MEASURED_PROBE = 8.0
 FIRST_WITHIN_S = 5.0
 # A plateau that held this many recovery periods without a 429 is trusted by memory.
 VERIFIED_AFTER = 2.0
-# A settled, strictly paced level refused once after this many requests held is kept
-# (the host's jitter met a strict partner); refused sooner, it steps down.
-JITTER_HOLD = 1000.0
+# A settled, strictly paced level refused once after it held long enough is kept (the
+# host's jitter met a strict partner); refused sooner, it steps down. Long enough: at
+# least this many requests (the refusals stay under 1 % of them)...
+JITTER_MIN_HELD = 100.0
 # "At the top": pacing within this fraction of the highest rate allowed.
 AT_TOP = 0.98
 # A 429 without Retry-After: pause everyone this long, doubling per 429 in a row.
@@ -373,7 +372,10 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
     if ev.sent_at >= s.cut_at and not imposed and not closed:
         quick = 0 <= now - max(s.paused_until, s.cut_at) < FAR_WITHIN_S
         before = s
-        s = replace(_cut(cfg, s, now, ev.sent_at), quick=s.quick + 1 if quick else 0)
+        pause_s = (ev.retry_after_s if ev.retry_after_s is not None
+                   else min(BLIND_MAX_S, BLIND_BASE_S * 2.0 ** s.blind))
+        s = replace(_cut(cfg, s, now, ev.sent_at, min(pause_s, cfg.max_pause_s)),
+                    quick=s.quick + 1 if quick else 0)
         if ev.retry_after_s is None and s.blind == 0:
             s = replace(s, uncut={k: getattr(before, k) for k in _LEARNT})
     if ev.retry_after_s is not None:
@@ -401,7 +403,8 @@ _LEARNT = ("rate", "w_max", "cut_to", "cut_at", "probe_s", "strict", "learnt_at"
            "verified", "quick", "held", "estimate", "recover_s")
 
 
-def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float) -> BudgetState:
+def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
+         pause_s: float) -> BudgetState:
     rate = s.rate
     high = top(cfg, s)
     if s.w_max is None:
@@ -478,63 +481,50 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float) -> Budge
         # (a bucket of one token) at a rate it otherwise takes: pace strictly first;
         # already strict, a step lower. None of these is a failed probe: the next probe
         # comes no later than it would have.
-        jitter = s.strict and (now - s.cut_at) * rate >= JITTER_HOLD
-        if not jitter and s.held is not None and rate > s.held * NEAR:
+        jitter = s.strict and (now - s.cut_at) * rate >= jitter_hold(rate, pause_s)
+        # (A level set under a measured limit is a step from it, not halfway to an old
+        # level: halfway to one held before the limit rose to 80/s put the rate at 65.)
+        if (not jitter and s.held is not None and rate > s.held * NEAR
+                and s.estimate is None):
             return _settle(cfg, replace(s, strict=True), (s.held + rate) / 2, now,
                            probe_s=s.probe_s)
         if not s.strict:
             return _settle(cfg, replace(s, strict=True), min(rate, top(cfg, s)), now,
                            probe_s=s.probe_s)
         if jitter:
-            # Already strict, and the level held JITTER_HOLD requests since it was set or
-            # last kept: a refusal that rare is the host's jitter meeting a strict
-            # partner, not a level too high. Keep it (the Retry-After pause is the
-            # whole cost); one sooner steps down. Stepping down on every rare one lost
-            # 3 % a time for good: a bucket of one at 20/s fell to 83 % over 920 s.
+            # Already strict, and the level held long enough since it was set or last
+            # kept (jitter_hold): a refusal that rare is the host's jitter meeting a
+            # strict partner, not a level too high. Keep it (the pause is the whole
+            # cost); one sooner steps down. Stepping down on every rare one lost 3 % a
+            # time for good: a bucket of one at 20/s fell to 83 % over 920 s.
             return replace(s, cut_to=rate, cut_at=now, learnt_at=now, last_cut="probe")
         return _settle(cfg, s, rate * PROBE_BACK, now, probe_s=s.probe_s)
     # Throttled while climbing back to the plateau: the plateau itself is too high.
     return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
 
 
+def jitter_hold(rate: float, pause_s: float) -> float:
+    """How many requests a strictly paced level must have held for a refusal of it to be
+    the host's jitter, when that refusal costs a pause of ``pause_s``.
+
+    Keeping the level costs each such refusal its pause and its request; a step down costs
+    ``1 - PROBE_BACK`` of every request after it. Kept while refusals come more rarely than
+    that break-even, the level costs less than the step would: behind nginx (no
+    Retry-After, a 0.1 s pause) a level is kept after 100 requests, where a fixed 1,000
+    stepped a 20/s run down 3 % a time to 75 % of its limit over 390 s; a whole-second
+    Retry-After at 20/s asks for 700.
+    """
+    return max(JITTER_MIN_HELD, (pause_s * rate + 1.0) / (1.0 - PROBE_BACK))
+
+
 def _measured(cfg: PolicyConfig, s: BudgetState, plateau: float, failed: float,
               refused_at: float) -> float | None:
-    """The partner's rate, from a probe that failed at ``refused_at`` (None: not known).
-
-    A delivery-rate estimate for a client that honours ``Retry-After``, which sees no
-    accepted rate while it waits: a bucket with ``b`` tokens refilling at ``r``/s that the
-    run's first overload drained at ``first_rate`` for ``first_s`` seconds says
-    ``b = (first_rate - r) * first_s``; the probe, which started with the bucket full
-    (the plateau held), was refused when its excess over ``r``, the integral of
-    ``curve - r``, reached ``b``. The one ``r`` satisfying both, between the plateau and
-    the rate refused, is the limit. A GCRA is such a bucket; a partner that is not (a
-    sliding log) can yield no root, or a low one, and the settle below caps the harm.
-    """
+    """The partner's rate, from a probe above ``plateau`` refused at ``refused_at``."""
     start = s.cut_at + _recovery_s(cfg, s)
-    high = min(failed, s.first_rate)
-    if not s.first_s or refused_at <= start or high <= plateau:
+    if not s.first_s or refused_at <= start:
         return None
-    dt = (refused_at - start) / _SAMPLES
-    rates = [curve(cfg, s, start + (i + 0.5) * dt) for i in range(_SAMPLES)]
-
-    def surplus(r: float) -> float:  # the probe's excess over r, less the burst at r
-        return sum(x - r for x in rates if x > r) * dt - (s.first_rate - r) * s.first_s
-
-    # Convex in r: positive at the plateau, the smaller root is the limit (the larger, if
-    # any, is an artefact of a probe that went past first_rate).
-    if surplus(plateau) <= 0:
-        return None
-    grid = [plateau + (high - plateau) * i / _SAMPLES for i in range(_SAMPLES + 1)]
-    for lo, hi in itertools.pairwise(grid):
-        if surplus(hi) <= 0:
-            for _ in range(30):
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if surplus(mid) > 0 else (lo, mid)
-            return (lo + hi) / 2
-    return None
-
-
-_SAMPLES = 64
+    return estimate.limit(lambda t: curve(cfg, s, t), start, refused_at, plateau,
+                          min(failed, s.first_rate), s.first_rate, s.first_s)
 
 
 def _same_edge(s: BudgetState, rate: float) -> bool:

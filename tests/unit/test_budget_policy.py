@@ -497,8 +497,9 @@ def test_a_rare_refusal_on_a_strict_settled_level_keeps_it_and_a_sooner_one_step
     s = step(c, s, Throttle(T0 + 30.0, 1.0), T0 + 30.0)  # held a while: pace strictly
     assert s.strict
     level = s.rate
-    hold_s = policy.JITTER_HOLD / level + 0.5  # past it (T0's float has ~0.2 µs steps)
-    # Refused again after JITTER_HOLD requests held: jitter, the level stays.
+    # Past what a whole-second Retry-After asks for (T0's float has ~0.2 µs steps).
+    hold_s = policy.jitter_hold(level, 1.0) / level + 0.5
+    # Refused again after that many requests held: jitter, the level stays.
     s = step(c, s, Throttle(T0 + 30.0 + hold_s, 1.0), T0 + 30.0 + hold_s)
     assert s.rate == pytest.approx(level)
     assert s.strict
@@ -509,6 +510,31 @@ def test_a_rare_refusal_on_a_strict_settled_level_keeps_it_and_a_sooner_one_step
     assert s.held is not None
     assert s.held < s.rate < level
     assert s.rate == pytest.approx((s.held + level) / 2)
+
+
+def test_how_long_a_level_must_hold_for_a_refusal_to_be_jitter_follows_the_pause() -> None:
+    # Behind a gateway that answers 429 without Retry-After, a refusal costs our own 0.1 s
+    # backoff: a level that held 150 requests is kept. The same hold refused with a
+    # whole-second Retry-After steps down: there, refusals that often cost more than 3 %.
+    c = cfg(rate_per_second=40.0, probe_seconds=12.0, recovery_seconds=8.0)
+
+    def settled(retry_after: float | None) -> BudgetState:
+        s = step(c, replace_rate(initial(c), 21.0), Throttle(T0, retry_after), T0)
+        s = step(c, s, Success(), T0 + 16.0)
+        s = step(c, s, Throttle(T0 + 16.0, retry_after), T0 + 16.0)
+        s = step(c, s, Success(), T0 + 17.0)
+        s = step(c, s, Throttle(T0 + 30.0, retry_after), T0 + 30.0)
+        assert s.strict
+        return step(c, s, Success(), T0 + 31.0)
+
+    for retry_after, kept in ((None, True), (1.0, False)):
+        s = settled(retry_after)
+        level = s.rate
+        later = T0 + 30.0 + 150.0 / level
+        s = step(c, s, Throttle(later, retry_after), later)
+        assert (s.rate == pytest.approx(level)) is kept, retry_after
+    assert policy.jitter_hold(20.0, 0.1) == policy.JITTER_MIN_HELD
+    assert policy.jitter_hold(20.0, 1.0) == pytest.approx(700.0)
 
 
 def test_an_announcement_raised_again_lifts_the_rate_a_429_just_before_it_held_low() -> None:

@@ -36,10 +36,10 @@ The policy, and why:
   lower), and the next probe takes twice as long (up to ``max_probe_s``), so a stable
   limit is probed ever more rarely while a moved one is still found. Throttled on that
   plateau after it held, it goes halfway down to ``held`` again, strictly paced (with no
-  level known to hold: strict pacing first, then 3 % steps), not by a deep cut, and the
-  next probe is not put off (a close arrival is not a failed probe), unless it held
-  long enough first (:func:`jitter_hold`: refusals rarer than a step down would cost are
-  jitter), and the level is kept.
+  level known to hold, or under a measured limit: strict pacing first, then 3 % steps),
+  not by a deep cut, and the next probe is not put off (a close arrival is not a failed
+  probe); refused more rarely since it was set than a step down would cost
+  (:func:`jitter_hold`), that is jitter, and the level is kept.
   Halving the gap finds a bucket's limit in four 429s where 3 % steps took seven, each a
   whole-second ``Retry-After``; a probe refused just over its plateau keeps the plateau,
   and refused where the edge was last found (measured or refused), the edge has not
@@ -101,9 +101,8 @@ MEASURED_PROBE = 8.0
 FIRST_WITHIN_S = 5.0
 # A plateau that held this many recovery periods without a 429 is trusted by memory.
 VERIFIED_AFTER = 2.0
-# A settled, strictly paced level refused once after it held long enough is kept (the
-# host's jitter met a strict partner); refused sooner, it steps down. Long enough: at
-# least this many requests (the refusals stay under 1 % of them)...
+# A strictly paced level refused at most once per jitter_hold requests is kept: at least
+# this many (refusals stay under 1 % of them).
 JITTER_MIN_HELD = 100.0
 # "At the top": pacing within this fraction of the highest rate allowed.
 AT_TOP = 0.98
@@ -175,6 +174,11 @@ class BudgetState:
     first_rate: float = 0.0
     first_s: float = 0.0
     estimate: float | None = None  # the limit the last failed probe measured
+    # Refusals of the level ``kept_level`` kept as jitter since ``kept_since`` (when the
+    # level was set): it is kept while they come no more often than jitter_hold says.
+    kept: int = 0
+    kept_level: float = 0.0
+    kept_since: float = 0.0
     recover_s: float | None = None  # the recovery's length, when not recovery_s
     # What a 429 without Retry-After cut, as it was: restored if the next request is
     # refused too with nothing accepted between (a storm, not a limit).
@@ -400,7 +404,8 @@ def _undo(cfg: PolicyConfig, s: BudgetState) -> BudgetState:
 
 # What a cut changes, and a storm's undoing restores.
 _LEARNT = ("rate", "w_max", "cut_to", "cut_at", "probe_s", "strict", "learnt_at", "last_cut",
-           "verified", "quick", "held", "estimate", "recover_s")
+           "verified", "quick", "held", "estimate", "recover_s", "kept", "kept_level",
+           "kept_since")
 
 
 def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
@@ -481,7 +486,10 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
         # (a bucket of one token) at a rate it otherwise takes: pace strictly first;
         # already strict, a step lower. None of these is a failed probe: the next probe
         # comes no later than it would have.
-        jitter = s.strict and (now - s.cut_at) * rate >= jitter_hold(rate, pause_s)
+        same = abs(rate - s.kept_level) <= (JUST_OVER - 1.0) * rate
+        kept, since = (s.kept, s.kept_since) if same else (0, s.cut_at)
+        jitter = (s.strict
+                  and (now - since) * rate >= (kept + 1) * jitter_hold(rate, pause_s))
         # (A level set under a measured limit is a step from it, not halfway to an old
         # level: halfway to one held before the limit rose to 80/s put the rate at 65.)
         if (not jitter and s.held is not None and rate > s.held * NEAR
@@ -492,27 +500,28 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
             return _settle(cfg, replace(s, strict=True), min(rate, top(cfg, s)), now,
                            probe_s=s.probe_s)
         if jitter:
-            # Already strict, and the level held long enough since it was set or last
-            # kept (jitter_hold): a refusal that rare is the host's jitter meeting a
-            # strict partner, not a level too high. Keep it (the pause is the whole
-            # cost); one sooner steps down. Stepping down on every rare one lost 3 % a
-            # time for good: a bucket of one at 20/s fell to 83 % over 920 s.
-            return replace(s, cut_to=rate, cut_at=now, learnt_at=now, last_cut="probe")
+            # Already strict, and refused no more often since the level was set than
+            # jitter_hold allows: the host's jitter meeting a strict partner, not a level
+            # too high. Keep it (the pauses are the whole cost). Stepping down on every
+            # rare one lost 3 % a time for good (a bucket of one at 20/s fell to 83 % over
+            # 920 s); counted from the last refusal, not on average, refusals at random
+            # came too close half the time (the same behind nginx fell to 75 %).
+            return replace(s, cut_to=rate, cut_at=now, learnt_at=now, last_cut="probe",
+                           kept=kept + 1, kept_level=rate, kept_since=since)
         return _settle(cfg, s, rate * PROBE_BACK, now, probe_s=s.probe_s)
     # Throttled while climbing back to the plateau: the plateau itself is too high.
     return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
 
 
 def jitter_hold(rate: float, pause_s: float) -> float:
-    """How many requests a strictly paced level must have held for a refusal of it to be
-    the host's jitter, when that refusal costs a pause of ``pause_s``.
+    """Requests per refusal (on average) under which a strictly paced level is kept, when
+    a refusal costs a pause of ``pause_s``: the host's jitter, not a level too high.
 
-    Keeping the level costs each such refusal its pause and its request; a step down costs
-    ``1 - PROBE_BACK`` of every request after it. Kept while refusals come more rarely than
-    that break-even, the level costs less than the step would: behind nginx (no
-    Retry-After, a 0.1 s pause) a level is kept after 100 requests, where a fixed 1,000
-    stepped a 20/s run down 3 % a time to 75 % of its limit over 390 s; a whole-second
-    Retry-After at 20/s asks for 700.
+    Keeping the level costs each refusal its pause and its request; a step down costs
+    ``1 - PROBE_BACK`` of every request after it. Refused more rarely than that break-even,
+    the level costs less than the step would. Behind nginx (a bare 429, our 0.1 s pause)
+    that is 100 requests, where a fixed 1,000 stepped a 20/s run down 3 % a time to 75 %
+    of its limit within 390 s; a whole-second Retry-After at 20/s asks for 700.
     """
     return max(JITTER_MIN_HELD, (pause_s * rate + 1.0) / (1.0 - PROBE_BACK))
 

@@ -537,6 +537,26 @@ def test_how_long_a_level_must_hold_for_a_refusal_to_be_jitter_follows_the_pause
     assert policy.jitter_hold(20.0, 1.0) == pytest.approx(700.0)
 
 
+def test_refusals_kept_as_jitter_are_counted_on_average_since_the_level_was_set() -> None:
+    # Behind a gateway's bare 429 (a 0.1 s pause) a level is kept while its refusals come
+    # no more often than one per jitter_hold requests on average since it was set: two in
+    # quick succession after a long quiet spell are kept, a third too soon steps down.
+    c = cfg(rate_per_second=40.0, probe_seconds=12.0, recovery_seconds=8.0)
+    s = step(c, replace_rate(initial(c), 21.0), Throttle(T0, None), T0)
+    s = step(c, s, Success(), T0 + 16.0)
+    s = step(c, s, Throttle(T0 + 16.0, None), T0 + 16.0)
+    s = step(c, s, Success(), T0 + 17.0)
+    s = step(c, s, Throttle(T0 + 30.0, None), T0 + 30.0)
+    assert s.strict
+    level, since = s.rate, T0 + 30.0
+    hold = policy.jitter_hold(level, policy.BLIND_BASE_S)
+    for requests, kept in ((1.5, True), (2.1, True), (2.5, False)):  # x hold, since set
+        at = since + requests * hold / level
+        s = step(c, s, Success(), at - 0.01)
+        s = step(c, s, Throttle(at, None), at)
+        assert (s.rate == pytest.approx(level)) is kept, requests
+
+
 def test_an_announcement_raised_again_lifts_the_rate_a_429_just_before_it_held_low() -> None:
     # The partner's limit drops to a quarter: one 429 at the top (an edge, probed every
     # 600 s) comes before the answer announcing it. When the partner announces its limit

@@ -512,23 +512,25 @@ def test_a_rare_refusal_on_a_strict_settled_level_keeps_it_and_a_sooner_one_step
     assert s.rate == pytest.approx((s.held + level) / 2)
 
 
+def settled_strictly(c: PolicyConfig, retry_after: float | None) -> BudgetState:
+    """A level settled at T0 + 30 s under a failed probe's plateau, strictly paced: cut at
+    21/s, a probe failed at 16 s, the level refused at 30 s after holding."""
+    s = step(c, replace_rate(initial(c), 21.0), Throttle(T0, retry_after), T0)
+    s = step(c, s, Success(), T0 + 16.0)
+    s = step(c, s, Throttle(T0 + 16.0, retry_after), T0 + 16.0)
+    s = step(c, s, Success(), T0 + 17.0)
+    s = step(c, s, Throttle(T0 + 30.0, retry_after), T0 + 30.0)
+    assert s.strict
+    return s
+
+
 def test_how_long_a_level_must_hold_for_a_refusal_to_be_jitter_follows_the_pause() -> None:
     # Behind a gateway that answers 429 without Retry-After, a refusal costs our own 0.1 s
     # backoff: a level that held 150 requests is kept. The same hold refused with a
     # whole-second Retry-After steps down: there, refusals that often cost more than 3 %.
     c = cfg(rate_per_second=40.0, probe_seconds=12.0, recovery_seconds=8.0)
-
-    def settled(retry_after: float | None) -> BudgetState:
-        s = step(c, replace_rate(initial(c), 21.0), Throttle(T0, retry_after), T0)
-        s = step(c, s, Success(), T0 + 16.0)
-        s = step(c, s, Throttle(T0 + 16.0, retry_after), T0 + 16.0)
-        s = step(c, s, Success(), T0 + 17.0)
-        s = step(c, s, Throttle(T0 + 30.0, retry_after), T0 + 30.0)
-        assert s.strict
-        return step(c, s, Success(), T0 + 31.0)
-
     for retry_after, kept in ((None, True), (1.0, False)):
-        s = settled(retry_after)
+        s = step(c, settled_strictly(c, retry_after), Success(), T0 + 31.0)
         level = s.rate
         later = T0 + 30.0 + 150.0 / level
         s = step(c, s, Throttle(later, retry_after), later)
@@ -542,12 +544,7 @@ def test_refusals_kept_as_jitter_are_counted_on_average_since_the_level_was_set(
     # no more often than one per jitter_hold requests on average since it was set: two in
     # quick succession after a long quiet spell are kept, a third too soon steps down.
     c = cfg(rate_per_second=40.0, probe_seconds=12.0, recovery_seconds=8.0)
-    s = step(c, replace_rate(initial(c), 21.0), Throttle(T0, None), T0)
-    s = step(c, s, Success(), T0 + 16.0)
-    s = step(c, s, Throttle(T0 + 16.0, None), T0 + 16.0)
-    s = step(c, s, Success(), T0 + 17.0)
-    s = step(c, s, Throttle(T0 + 30.0, None), T0 + 30.0)
-    assert s.strict
+    s = settled_strictly(c, None)
     level, since = s.rate, T0 + 30.0
     hold = policy.jitter_hold(level, policy.BLIND_BASE_S)
     for requests, kept in ((1.5, True), (2.1, True), (2.5, False)):  # x hold, since set

@@ -82,8 +82,11 @@ async def test_sigkill_and_closed_connections_on_rabbitmq(
     svc = fault_service(e2e, sandbox, {
         "source": {"page_size": 100},
         "limits": {"rate_per_second": 400, "concurrency": 8},
+        # What the broker lost for good is the redrive's to republish, every second here
+        # (as in test_redis_faults.py).
         "queue": {"backend": "rabbitmq", "rabbitmq_queue": rabbit_queue.name,
-                  "lease_seconds": 5.0},
+                  "lease_seconds": 5.0, "redrive_interval_seconds": 1.0,
+                  "redrive_grace_seconds": 20.0},
     }, mode.overrides)
     svc.env["CLEANUP_RABBITMQ_URL"] = rabbit_queue.url
     await svc.start()

@@ -57,7 +57,10 @@ async def test_sigkill_and_dropped_connections_on_redis(e2e: E2E, fault: Fault, 
         "source": {"page_size": 100},
         "limits": {"rate_per_second": 400, "concurrency": 8},
         # A dead consumer's entries are claimed by the next process after this lease.
-        "queue": {"backend": "redis", "redis_key": redis_key.key, "lease_seconds": 3.0},
+        # What the queue lost for good is the redrive's to republish: every second here,
+        # not every 60 s, or a loss is found just as the run's 60 s wait ends (CI, stop 31).
+        "queue": {"backend": "redis", "redis_key": redis_key.key, "lease_seconds": 3.0,
+                  "redrive_interval_seconds": 1.0, "redrive_grace_seconds": 20.0},
     }, mode.overrides)
     svc.env["CLEANUP_REDIS_URL"] = redis_key.url
     await svc.start()

@@ -373,11 +373,13 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
         # would climb back from it for recovery_s after every storm. (A 429 for a request
         # sent before that cut says nothing: it was in flight.)
         s = _undo(cfg, s)
+    # No Retry-After: everyone backs off on our own clock, doubling while the 429s keep
+    # coming (a pause the partner imposes without saying how long).
+    backoff = min(BLIND_MAX_S, BLIND_BASE_S * 2.0 ** s.blind)
     if ev.sent_at >= s.cut_at and not imposed and not closed:
         quick = 0 <= now - max(s.paused_until, s.cut_at) < FAR_WITHIN_S
         before = s
-        pause_s = (ev.retry_after_s if ev.retry_after_s is not None
-                   else min(BLIND_MAX_S, BLIND_BASE_S * 2.0 ** s.blind))
+        pause_s = backoff if ev.retry_after_s is None else ev.retry_after_s
         s = replace(_cut(cfg, s, now, ev.sent_at, min(pause_s, cfg.max_pause_s)),
                     quick=s.quick + 1 if quick else 0)
         if ev.retry_after_s is None and s.blind == 0:
@@ -386,9 +388,6 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
         if ev.retry_after_s > 0:
             s = _pause(cfg, s, now + ev.retry_after_s, "retry-after", now)
         return replace(s, blind=0, uncut=None)
-    # No Retry-After: the partner gave no time, so everyone backs off on our own clock,
-    # doubling while the 429s keep coming (a pause it imposes without saying how long).
-    backoff = min(BLIND_MAX_S, BLIND_BASE_S * 2.0 ** s.blind)
     return replace(_pause(cfg, s, now + backoff, "429 without retry-after", now),
                    blind=s.blind + 1)
 
@@ -530,8 +529,6 @@ def _measured(cfg: PolicyConfig, s: BudgetState, plateau: float, failed: float,
               refused_at: float) -> float | None:
     """The partner's rate, from a probe above ``plateau`` refused at ``refused_at``."""
     start = s.cut_at + _recovery_s(cfg, s)
-    if not s.first_s or refused_at <= start:
-        return None
     return estimate.limit(lambda t: curve(cfg, s, t), start, refused_at, plateau,
                           min(failed, s.first_rate), s.first_rate, s.first_s)
 

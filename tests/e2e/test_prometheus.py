@@ -231,14 +231,16 @@ async def check_no_alert(o: Observed) -> None:
     for name, found in (*o.alerts_mid.items(), *at_end_exprs.items()):
         assert found == [], (name, found)
     # The storm's pauses were counted (what CleanupLimiterPausedLong adds up): about the
-    # storm's length, far from 15 minutes. Besides the storm, finding the limit hidden
-    # under a ceiling twice too high pauses three times for the partner's whole-second
-    # Retry-After (the edge trim, the halving, the probe that measures the limit), and
-    # Prometheus's increase() extrapolates over the window: 8.9 s on a slow CI.
+    # storm's length, far from 15 minutes. Besides the storm, each 429 the partner
+    # answered (finding the limit hidden under a ceiling twice too high takes three, a
+    # busy host more) pauses at most its whole-second Retry-After, the storm's last one
+    # rounds up to a second more, and Prometheus's increase() extrapolates over the
+    # window (2 s allowed): bounded by what the partner did, not by a count of 429s.
     window = math.ceil(o.end - o.opened_at)
     [paused] = await prom.query(
         f"sum(increase(cleanup_limiter_paused_seconds_total[{window}s]))", o.end)
-    assert 1.0 <= float(paused["value"][1]) <= STORM_S + 3 * 1.0 + 2.0, (paused, s)
+    bound = STORM_S + 1.0 + o.stats["rate_limited"] * 1.0 + 2.0
+    assert 1.0 <= float(paused["value"][1]) <= bound, (paused, o.stats["rate_limited"], s)
     # Prometheus loaded every rule and evaluated each without an error on real series.
     loaded = [r for g in (await prom.api("/api/v1/rules"))["groups"] for r in g["rules"]]
     assert sorted(r["name"] for r in loaded) == sorted(r["alert"] for r in rules)

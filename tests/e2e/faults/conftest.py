@@ -21,6 +21,38 @@ def mode(request: pytest.FixtureRequest) -> Mode:
     return chosen
 
 
+# The adversarial script (test_adversarial.py) runs every shape in both modes. The older
+# per-shape storms marked ``one_mode`` run in one mode each, so that ``make test`` fits
+# CI's 30 minutes; this runs them in both.
+EVERY_MODE = os.environ.get("CLEANUP_FAULTS_EVERY_MODE") == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the modes a ``one_mode`` case does not run: the one it names, or, with
+    ``alternate``, keys and no keys in turn across its other parameters (a batch shape)."""
+    if EVERY_MODE:
+        return
+    kept, dropped = [], []
+    order: dict[tuple[str, str], int] = {}
+    for item in items:
+        marker = item.get_closest_marker("one_mode")
+        spec = getattr(item, "callspec", None)
+        if marker is None or spec is None or "mode" not in spec.params:
+            kept.append(item)
+            continue
+        wanted = marker.args[0]
+        if wanted == "alternate":
+            test = item.nodeid.split("[")[0]
+            others = repr(sorted((k, str(v)) for k, v in spec.params.items() if k != "mode"))
+            seen = sum(1 for t, _ in order if t == test)
+            index = order.setdefault((test, others), seen)
+            wanted = KEYS.name if index % 2 == 0 else NO_KEYS.name
+        (kept if spec.params["mode"].name == wanted else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture
 def fault(request: pytest.FixtureRequest) -> Iterator[Fault]:
     forced = os.environ.get("FAULT_SEED")

@@ -124,6 +124,7 @@ def closing(detail: str | None) -> str:
     return ""
 
 
+@pytest.mark.one_mode("alternate")
 @pytest.mark.parametrize("shape", list(SHAPES))
 async def test_batch_sigkill_storm(e2e: E2E, fault: Fault, mode: Mode, shape: str,
                                    request: pytest.FixtureRequest) -> None:

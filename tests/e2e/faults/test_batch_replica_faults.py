@@ -121,6 +121,7 @@ class BatchesLeftOpen(AssertionError):
     each saw the others' attempts open, and none closed the batch)."""
 
 
+@pytest.mark.one_mode("alternate")
 @pytest.mark.parametrize("shape", list(SHAPES))
 async def test_batch_sigkill_storm_across_replicas(pg: Any, e2e: E2E, fault: Fault,
                                                    mode: Mode, shape: str) -> None:

@@ -79,6 +79,7 @@ DRAIN_KILLS = 14
 BOOT_KILLS = 4
 
 
+@pytest.mark.one_mode("no-keys")
 async def test_sigkill_storm(e2e: E2E, fault: Fault, mode: Mode) -> None:
     """Kills at seeded partner executions (the answer on its way back, being committed,
     or committed and its ack not yet accepted: Infrai answers some calls 429, so some acks
@@ -241,6 +242,7 @@ PAUSE_S = 4.5  # Retry-After 5 s
 STORMS = 2
 
 
+@pytest.mark.one_mode("keys")
 async def test_lease_shorter_than_a_partner_pause(e2e: E2E, fault: Fault, mode: Mode) -> None:
     """Visibility timeout 3 s, Retry-After storms of 5 s: every message a worker holds
     through the pause would come back to someone else, so it is published again for when
@@ -303,6 +305,7 @@ async def infrai_bursts(infrai: Infrai, sandbox: Sandbox, rng: random.Random) ->
     return {"burst_429": rate_limited, "burst_5xx": errors}
 
 
+@pytest.mark.one_mode("no-keys")
 async def test_infrai_429_and_5xx_bursts(e2e: E2E, fault: Fault, mode: Mode) -> None:
     """Publishes, consumes and acks answered 429 (waited out) or 503 (retried with
     backoff under the same idempotency key): delayed, never doubled, never lost."""
@@ -359,6 +362,7 @@ async def logged(infrai: Infrai, reached: Callable[[list[dict[str, Any]]], bool]
     return log
 
 
+@pytest.mark.one_mode("keys")
 async def test_credit_exhausted_mid_run(e2e: E2E, fault: Fault, mode: Mode) -> None:
     """Infrai answers 402 INSUFFICIENT_CREDIT mid-run: one ERROR line, /readyz 503 with
     the queue check false, cleanup_transport_blocked{reason="INSUFFICIENT_CREDIT"} 1,

@@ -51,6 +51,7 @@ def _replica(e2e: E2E, sandbox: Any, pg: Any, i: int, mode: Mode) -> FaultServic
     return svc
 
 
+@pytest.mark.one_mode("no-keys")
 async def test_sigkill_storm_across_replicas(pg: Any, e2e: E2E, fault: Fault,
                                              mode: Mode) -> None:
     rng = fault.rng

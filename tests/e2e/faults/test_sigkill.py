@@ -30,6 +30,7 @@ DRAIN_KILLS = 13  # at seeded execution counts
 BOOT_KILLS = 4  # right after a restart logs that it listens
 
 
+@pytest.mark.one_mode("keys")
 async def test_sigkill_storm(e2e: E2E, fault: Fault, mode: Mode) -> None:
     rng = fault.rng
     sandbox = await e2e.sandbox("--recipients", POPULATION, "--seed", fault.seed,

@@ -334,7 +334,7 @@ class Assembly:
 async def assemble(c: Config, r: Resources) -> Assembly:
     """Open and build everything ``c`` configures except the HTTP listener (the host's)."""
     storage = await open_storage(c, r)
-    partner = PartnerClient(c.partner, c.limits.concurrency)
+    partner = PartnerClient(c.partner, c.limits.concurrency, storage.budget.departed)
     await r.open("partner", partner.start, partner.close)
     relay = EventRelay(c.events, storage.ledger, build_sinks(c.events, c.infrai))
     await r.open("events-sinks", relay.start, relay.close)

@@ -255,12 +255,27 @@ class IgnoredHeaders:
                     header, why, count, extra={"action": "partner_header_ignored"})
 
 
+def _departures(departed: Callable[[], None]) -> aiohttp.TraceConfig:
+    """aiohttp calls this as a request's headers are written: when it leaves, which may be
+    milliseconds after its grant (the ledger's ownership check, a pooled connection)."""
+    async def sent(_session: aiohttp.ClientSession, _ctx: object,
+                   _params: aiohttp.TraceRequestHeadersSentParams) -> None:
+        departed()
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(sent)
+    return trace
+
+
 class PartnerClient:
     """DELETE with Bearer token and ``Idempotency-Key``; one pooled session for all workers."""
 
-    def __init__(self, config: PartnerConfig, pool_size: int) -> None:
+    def __init__(self, config: PartnerConfig, pool_size: int,
+                 departed: Callable[[], None] | None = None) -> None:
         self.config = config
         self._pool_size = pool_size
+        # Told as each request's headers are written (the budget's strict pacing).
+        self._departed = departed
         self._session: aiohttp.ClientSession | None = None
         self._base = config.base_url.rstrip("/")
         self._ignored = IgnoredHeaders()
@@ -274,6 +289,7 @@ class PartnerClient:
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_seconds,
                                           connect=self.config.connect_timeout_seconds),
             headers=headers,
+            trace_configs=[] if self._departed is None else [_departures(self._departed)],
         )
         # aiohttp silently resends an idempotent method (DELETE) once when a pooled
         # connection drops mid-request. A DELETE that may have acted must never be resent

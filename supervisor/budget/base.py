@@ -155,6 +155,10 @@ class RateBudget(Protocol):
         """Free an admission's slot unused (the attempt could not be written); nothing
         once :meth:`grant` has spent it."""
 
+    def departed(self) -> None:
+        """A request to the partner has just left (its headers are being written): strict
+        pacing counts the next one's spacing from here too (:mod:`supervisor.budget.pacer`)."""
+
     def release(self, grant: Grant, feedback: Feedback) -> None:
         """The answer to a granted request: frees its slot and feeds the policy."""
 

@@ -174,6 +174,10 @@ class LocalBudget(PolicyFeedback):
     def withdraw(self, admission: Admission) -> None:
         self._slots.withdraw(admission)
 
+    def departed(self) -> None:
+        if self._pacer is not None:
+            self._pacer.departed()
+
     def _apply(self, event: PolicyChange, now: float, cut: float | None = None) -> None:
         self._set(policy.step(self.cfg, self._state, event, now))
 

@@ -5,8 +5,16 @@ next request advances by one interval per request, and a request may leave once 
 is past it less the tolerance. Tolerant pacing (tolerance ``(burst - 1) / rate``) keeps an
 absolute schedule: a late wake-up is made up by the next requests, so the average is the
 rate. Strict pacing (tolerance 0) schedules each request one interval after the previous
-one actually left, so no two are ever closer than the interval: a partner's bucket of one
+one was granted, so no two are ever closer than the interval: a partner's bucket of one
 token refuses any request that arrives early by a millisecond.
+
+A grant is not a departure: between the two a worker checks with the ledger that its
+attempt is still its own and aiohttp takes a pooled connection, and a busy loop makes that
+anything from a tenth of a millisecond to ten. A request that leaves late lets the next one,
+granted on time, reach the partner early. So strict pacing also counts the next interval
+from when the last request actually left (its headers written: :meth:`Pacer.departed`),
+less the shortest delay between a grant and its departure seen lately: the spacing at the
+partner gains only the delay beyond the usual, not the usual delay.
 
 Why not aiolimiter: its leak is counted on the event loop's clock, which uvloop caches at
 each iteration to the millisecond, and its waiters wake by that loop's millisecond timers.
@@ -22,6 +30,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 
 # Sleep until this long before a departure (less how late the loop's timers have been
@@ -33,6 +42,9 @@ SPIN_S = 0.00015
 # How fast the estimate of the timers' lateness follows the latest one, and its bound.
 OVERSLEEP_ALPHA = 0.2
 MAX_OVERSLEEP_S = 0.0005
+# The shortest of this many recent grant-to-departure delays is the one a departure is
+# taken to have had anyway (see the module's docstring).
+DELAY_SAMPLES = 64
 
 
 def _interval(rate: float) -> float:
@@ -56,6 +68,8 @@ class Pacer:
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._sleeper = PreciseSleep(clock, spin_s)
+        self._granted: float | None = None  # the last grant
+        self._delays: deque[float] = deque(maxlen=DELAY_SAMPLES)
 
     @property
     def interval(self) -> float:
@@ -94,7 +108,21 @@ class Pacer:
                     break
                 await self._until(at)
             self._tat = max(tat + (max(1, cost) - 1) * self._interval, now) + self._interval
+            self._granted = now
             return now
+
+    def departed(self) -> None:
+        """The request granted last has just left (its headers are being written). Under
+        strict pacing the next may leave no sooner than an interval after this, less the
+        shortest grant-to-departure delay seen lately (it will have one too)."""
+        now = self._clock()
+        if self._granted is None or now < self._granted:
+            return
+        # Paired with the last grant: a request that left after a later one was granted
+        # looks quicker than it was, which only makes the usual delay shorter (safe).
+        self._delays.append(now - self._granted)
+        if self._tolerance == 0 and self._interval and self._tat is not None:
+            self._tat = max(self._tat, now - min(self._delays) + self._interval)
 
     async def _until(self, at: float) -> None:
         """Until ``at``, or until the pace changes."""

@@ -118,6 +118,10 @@ class TwoLimits:
     def withdraw(self, admission: Admission) -> None:
         self.requests.withdraw(admission)
 
+    def departed(self) -> None:
+        self.requests.departed()
+        self.items.departed()
+
     def implicated(self, cost: int) -> Scope:
         return implicated(self.requests.snapshot().rate, self.items.snapshot().rate, cost)
 

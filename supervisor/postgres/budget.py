@@ -279,6 +279,11 @@ class PostgresBudget(PolicyFeedback):
     def withdraw(self, admission: Admission) -> None:
         self._slots.withdraw(admission)
 
+    def departed(self) -> None:
+        # The slots' spacing is kept by the schedule every replica reserves from; one
+        # replica's departures alone cannot move it.
+        return
+
     def _check_open(self) -> None:
         if self._refresher is None or self._view.closed:
             raise RuntimeError("PostgresBudget: acquire() needs start() and no close()")

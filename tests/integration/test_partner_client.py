@@ -202,3 +202,29 @@ async def test_probe() -> None:
         assert await client.probe(present(sb)[0]) == (Presence.UNKNOWN, "no probe configured")
     async with partner({"token": "t"}) as (sb, client):
         assert await client.probe(present(sb)[0]) == (Presence.UNKNOWN, "probe HTTP 401")
+
+
+async def test_the_budget_is_told_when_a_request_leaves_and_only_then() -> None:
+    # Strict pacing counts from departures: each request whose headers were written is
+    # one, a connection never made is none.
+    left: list[int] = []
+    async with run_sandbox(SandboxConfig()) as sb:
+        client = PartnerClient(PartnerConfig(base_url=sb.url), pool_size=2,
+                               departed=lambda: left.append(1))
+        await client.start()
+        try:
+            for rid in present(sb)[:3]:
+                assert (await client.delete(rid, f"key-{rid}")).verdict is Verdict.DELETED
+            await client.probe(present(sb)[0])
+        finally:
+            await client.close()
+    assert len(left) == 4
+    with refusing_port() as port:
+        client = PartnerClient(PartnerConfig(base_url=f"http://127.0.0.1:{port}"), pool_size=1,
+                               departed=lambda: left.append(1))
+        await client.start()
+        try:
+            assert (await client.delete("r-000001", "k")).verdict is Verdict.TRANSIENT
+        finally:
+            await client.close()
+    assert len(left) == 4

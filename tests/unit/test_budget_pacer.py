@@ -123,3 +123,43 @@ def test_tolerance_is_the_burst_beyond_one_token() -> None:
     assert Pacer.tolerance(50.0, 1.25, strict=False) == 0.25 / 50
     assert Pacer.tolerance(50.0, 1.25, strict=True) == 0.0
     assert Pacer.tolerance(50.0, 1.0, strict=False) == 0.0
+
+
+async def test_strict_spacing_counts_from_a_late_departure_less_the_usual_delay() -> None:
+    # Grants leave 0.2 ms after they are made, one 5 ms late (a slow ownership check): the
+    # next may leave an interval after that late departure, less the usual 0.2 ms it will
+    # take itself, so it reaches the partner no sooner than an interval after the late one.
+    clock = Ticking()
+    pacer = Pacer(100.0, 0.0, clock=clock)
+    for _ in range(5):
+        await pacer.take()
+        clock.advance(0.0002)
+        pacer.departed()
+    await pacer.take()
+    clock.advance(0.005)
+    late = clock()
+    pacer.departed()
+    granted = await pacer.take()
+    assert granted + 0.0002 - late == pytest.approx(0.01, abs=1e-4)
+
+
+async def test_a_steady_delay_between_grant_and_departure_costs_no_pace() -> None:
+    clock = Ticking()
+    pacer = Pacer(100.0, 0.0, clock=clock)
+    grants = []
+    for _ in range(20):
+        grants.append(await pacer.take())
+        clock.advance(0.0003)
+        pacer.departed()
+    gaps = [b - a for a, b in itertools.pairwise(grants)]
+    assert max(gaps) == pytest.approx(0.01, abs=1e-4)
+
+
+async def test_tolerant_pacing_ignores_departures() -> None:
+    # A partner with a burst absorbs a late request: the schedule stays absolute.
+    clock = Ticking()
+    pacer = Pacer(100.0, 0.005, clock=clock)
+    first = await pacer.take()
+    clock.advance(0.004)
+    pacer.departed()
+    assert await pacer.take() - first == pytest.approx(0.005, abs=1e-4)

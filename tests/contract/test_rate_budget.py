@@ -114,6 +114,21 @@ class TestRateBudgetContract:
             budget.release(await budget.acquire(7), Feedback(Outcome.OK, 0.001))
         assert time.monotonic() - started >= 20 / 40.0 * 0.95
 
+    async def test_departures_never_let_grants_come_faster(
+            self, make: Factory, ledger: SqliteLedger) -> None:
+        # The partner client reports each request's departure, granted or not (before
+        # the first grant, twice for one): pacing stays at no more than the rate.
+        budget = make(ledger)
+        await budget.start()
+        budget.departed()
+        started = time.monotonic()
+        for _ in range(21):
+            grant = await budget.acquire()
+            budget.departed()
+            budget.departed()
+            budget.release(grant, Feedback(Outcome.OK, 0.001))
+        assert time.monotonic() - started >= 20 / 40.0 * 0.95
+
     async def test_a_pause_holds_ready_and_acquire_until_it_ends(
             self, make: Factory, ledger: SqliteLedger) -> None:
         budget = make(ledger)

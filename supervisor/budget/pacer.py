@@ -11,8 +11,9 @@ token refuses any request that arrives early by a millisecond.
 A grant is not a departure: between the two a worker checks with the ledger that its
 attempt is still its own and aiohttp takes a pooled connection: 0.4 ms at the least, 0.7
 usually, up to 4.6 on a quiet host (behind nginx at 20/s). A request that leaves late lets
-the next one, granted on time, reach the partner early (gaps of 48.1 ms at nginx's 50). So strict pacing also counts the next interval
-from when the last request actually left (its headers written: :meth:`Pacer.departed`),
+the next one, granted on time, reach the partner early (gaps of 48.1 ms at nginx's 50).
+So strict pacing also counts the next interval from when the last request actually left
+(its headers written: :meth:`Pacer.departed`),
 less the shortest delay between a grant and its departure seen lately: the spacing at the
 partner gains only the delay beyond the usual, not the usual delay.
 

@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if EVERY_MODE:
         return
     kept, dropped = [], []
-    order: dict[tuple[str, str], int] = {}
+    order: dict[str, dict[str, int]] = {}  # per test, its other parameters' turn
     for item in items:
         marker = item.get_closest_marker("one_mode")
         spec = getattr(item, "callspec", None)
@@ -42,10 +42,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         wanted = marker.args[0]
         if wanted == "alternate":
-            test = item.nodeid.split("[")[0]
+            turns = order.setdefault(item.nodeid.split("[")[0], {})
             others = repr(sorted((k, str(v)) for k, v in spec.params.items() if k != "mode"))
-            seen = sum(1 for t, _ in order if t == test)
-            index = order.setdefault((test, others), seen)
+            index = turns.setdefault(others, len(turns))
             wanted = KEYS.name if index % 2 == 0 else NO_KEYS.name
         (kept if spec.params["mode"].name == wanted else dropped).append(item)
     if dropped:

@@ -17,6 +17,7 @@ Usage: python bench/policy_grid.py [--ceiling 100] [--seconds 30,300]
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
 import random
 import statistics
@@ -85,12 +86,16 @@ CATCH_UP = 0.25  # of an interval: tolerant pacing's tolerance at limits.burst =
 
 def drain(ceiling: float, limit: Callable[[float], float], burst: float, n: int,
           jitter: Jitter | None = None, start: BudgetState | None = None,
-          t0: float = 0.0, retry_after: bool = True) -> Run:
+          t0: float = 0.0, retry_after: bool = True, lag_s: float = 0.0,
+          told: bool = True) -> Run:
     """Send ``n`` requests paced by the policy to a bucket refilling at ``limit(t)``/s.
 
     Without ``jitter`` every request leaves and lands on time. ``start`` is the state to
     begin from (a remembered one) and ``t0`` the model's clock then. Without
     ``retry_after`` a 429 says nothing of when to come back (a gateway's bare 429).
+    ``lag_s``: requests are spaced at the rate of ``lag_s`` earlier, never from before
+    the last cut (replicas' slots reserved ahead, voided by a cut); ``told``: each 429
+    says so (``Throttle.paced_at``).
     """
     c = PolicyConfig.from_limits(LimitsConfig(rate_per_second=ceiling, floor_per_second=0.5))
     s = initial(c) if start is None else start
@@ -99,8 +104,12 @@ def drain(ceiling: float, limit: Callable[[float], float], burst: float, n: int,
     done = refused = 0
     rates: list[tuple[float, float]] = []
     rnd = random.Random(None if jitter is None else jitter.seed)
+    times: list[float] = []
     while done < n and t - t0 < 100 * n / limit(0.0):
-        interval, resume = 1.0 / s.rate, s.paused_until - T0
+        paced_t = max(t - lag_s, s.cut_at - T0) if lag_s else t
+        i = bisect.bisect_right(times, paced_t) - 1
+        paced_rate = rates[i][1] if lag_s and i >= 0 and times[i] >= s.cut_at - T0 else s.rate
+        interval, resume = 1.0 / paced_rate, s.paused_until - T0
         if jitter is None:
             t = arrival = max(t + interval, resume)
         else:
@@ -127,8 +136,9 @@ def drain(ceiling: float, limit: Callable[[float], float], burst: float, n: int,
         else:
             refused += 1
             after = float(math.ceil((1.0 - tokens) / rate)) if retry_after else None
-            s = step(c, s, Throttle(T0 + t, after), T0 + t)
+            s = step(c, s, Throttle(T0 + t, after, T0 + paced_t if told else 0.0), T0 + t)
         rates.append((t, s.rate))
+        times.append(t)
     return Run(refused, done, t - t0, s, rates)
 
 

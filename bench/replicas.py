@@ -26,7 +26,9 @@ replica (``VmHWM``, sampled), and what the database did: transactions per operat
 (``pg_stat_database``, every source on that database, over tick .. replicas stopped),
 the idle rate measured before the tick, and the statements on the budget's row
 (``pg_stat_user_tables`` of the run's schema: scans of ``rate_budget``; its row updates
-are the reservations and state writes). ``--quick`` scales N and every time by 0.2.
+are the reservations and state writes), and what the shared budget learnt: the levels
+it settled on and what each failed probe measured (the row read every 0.2 s, those reads
+taken out of the counts). ``--quick`` scales N and every time by 0.2.
 Writes ``bench/out/replicas.{md,json}`` (``replicas-quick.*`` for ``--quick``).
 """
 
@@ -101,7 +103,8 @@ async def pg_snapshot(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
     others = await conn.fetchval(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
         "AND backend_type = 'client backend' AND pid <> pg_backend_pid() "
-        "AND coalesce(application_name, '') <> $1", app_name(schema))
+        "AND coalesce(application_name, '') NOT IN ($1, $2)", app_name(schema),
+        watcher_name(schema))
     assert db is not None
     return {"t": time.monotonic(), "xact": int(db["xact_commit"]) + int(db["xact_rollback"]),
             "rollback": int(db["xact_rollback"]), "others": int(others),
@@ -135,8 +138,38 @@ async def watch_sessions(conn: asyncpg.Connection, schema: str, seen: list[int],
         seen.append(int(await conn.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
             "AND backend_type = 'client backend' AND pid <> pg_backend_pid() "
-            "AND coalesce(application_name, '') <> $1", app_name(schema))))
+            "AND coalesce(application_name, '') NOT IN ($1, $2)", app_name(schema),
+            watcher_name(schema))))
         await asyncio.sleep(interval_s)
+
+
+async def watch_learnt(dsn: str, schema: str, t0: float, seen: list[list[float | None]],
+                       polls: list[int], interval_s: float = 0.2) -> None:
+    """Every ``interval_s``: the shared budget's learnt limit (``w_max``) and the limit
+    its last failed probe measured (``estimate``), as [t, w_max, estimate] when either
+    changes: what the replicas settled on, against the partner's true limit. Each poll is
+    one transaction and one scan of the budget's table, counted in ``polls`` so that
+    cost() takes them out of the run's."""
+    last: tuple[float | None, float | None] | None = None
+    # A session of its own (the admin one is busy meanwhile), named so that
+    # watch_sessions does not count it as someone else's load.
+    conn = await asyncpg.connect(dsn, server_settings={"application_name": watcher_name(schema)})
+    try:
+        while True:
+            raw = await conn.fetchval(f'SELECT state FROM "{schema}".{BUDGET_TABLE} LIMIT 1')
+            polls[0] += 1
+            state = json.loads(raw) if isinstance(raw, str) else (raw or {})
+            now = (state.get("w_max"), state.get("estimate"))
+            if now != last:
+                seen.append([round(time.monotonic() - t0, 2), *now])
+                last = now
+            await asyncio.sleep(interval_s)
+    finally:
+        await conn.close()
+
+
+def watcher_name(schema: str) -> str:
+    return f"bench-learnt:{schema}"
 
 
 async def drop_schema(conn: asyncpg.Connection, schema: str) -> None:
@@ -277,7 +310,7 @@ async def run_one(sc: Scenario, k: int, dsn: str, overrides: dict[str, dict[str,
                     services.append(Service(http, cfg, port, tmp, log, env))
                 try:
                     await asyncio.gather(*(s.start(ready_within_s=90) for s in services))
-                    await measure(sc, row, services, partner, http, admin, schema, idle_s)
+                    await measure(sc, row, services, partner, http, admin, schema, idle_s, dsn)
                 finally:
                     await asyncio.gather(*(s.stop() for s in services), return_exceptions=True)
                 codes = [s.proc.returncode if s.proc else None for s in services]
@@ -299,7 +332,7 @@ async def run_one(sc: Scenario, k: int, dsn: str, overrides: dict[str, dict[str,
 
 async def measure(sc: Scenario, row: dict[str, Any], services: Sequence[Service],
                   partner: Partner, http: aiohttp.ClientSession, admin: asyncpg.Connection,
-                  schema: str, idle_s: float) -> None:
+                  schema: str, idle_s: float, dsn: str) -> None:
     idle0 = await pg_snapshot(admin, schema)
     await asyncio.sleep(idle_s)
     before = await pg_snapshot(admin, schema)
@@ -326,12 +359,15 @@ async def measure(sc: Scenario, row: dict[str, Any], services: Sequence[Service]
                                         None if sc.unlimited else 0.25 if sc.scrape else 0.5))
     others: list[int] = []
     sessions = asyncio.create_task(watch_sessions(admin, schema, others))
+    learnt: list[list[float | None]] = []
+    polls = [0]
+    learning = asyncio.create_task(watch_learnt(dsn, schema, t0, learnt, polls))
     try:
         run_id = await services[0].tick()
         run = await services[0].wait_run(run_id, t0 + sc.budget_s("service"))
         t1 = time.monotonic()
     finally:
-        await cancel(events, watcher, sessions)
+        await cancel(events, watcher, sessions, learning)
     row["other_sessions_during_run"] = max(others, default=0)
     stats1 = await partner.stats()
     pg_cpu1 = cpu_of(await backend_pids(admin, schema))
@@ -399,16 +435,20 @@ async def measure(sc: Scenario, row: dict[str, Any], services: Sequence[Service]
             f["gauge_s_per_replica"] = gauges
         row["follow"] = follow
     row["gauge_samples"] = [[(round(t, 2), r) for t, r, _ in s] for s in samples]
+    row["learnt"], row["learnt_polls"] = learnt, polls[0]
+    if not sc.unlimited:
+        row["execution_times"] = [round(t, 4) for t in times]
 
 
 def cost(row: dict[str, Any], after: dict[str, Any]) -> None:
     """Transactions and budget statements per operation, over tick .. replicas stopped."""
     before, n = row["before"], row["n"]
-    xact = after["xact"] - before["xact"]
+    polls = row.get("learnt_polls", 0)  # the bench's own reads of the budget's row
+    xact = after["xact"] - before["xact"] - polls
     window = after["t"] - before["t"]
     tables = table_delta(after, before)
     budget = tables.get(BUDGET_TABLE, {})
-    budget_stmts = budget.get("seq_scan", 0) + budget.get("idx_scan", 0)
+    budget_stmts = budget.get("seq_scan", 0) + budget.get("idx_scan", 0) - polls
     idle = row["idle_xact_per_s"] * window
     row.update(
         pg_window_s=window, xact=xact, xact_per_op=xact / n,
@@ -446,6 +486,19 @@ def verdict(row: dict[str, Any]) -> str:
     return ""
 
 
+def learnt_path(row: dict[str, Any]) -> str:
+    """The levels the shared budget settled on (``w_max``), with what each failed probe
+    measured in brackets: ``48.0 (49.0)``."""
+    out: list[str] = []
+    for _, w_max, measured in row.get("learnt", []):
+        if w_max is None:
+            continue
+        text = f"{w_max:.1f}" + (f" ({measured:.1f})" if measured is not None else "")
+        if not out or out[-1] != text:
+            out.append(text)
+    return " → ".join(out) or "—"
+
+
 def monitor_on(row: dict[str, Any]) -> str:
     """Which replica held the monitor role (it closes runs) at the tick; r1 takes the tick."""
     held = [f"r{i + 1}" for i, roles in enumerate(row.get("roles_at_tick", []))
@@ -460,9 +513,9 @@ def _slash(values: Sequence[Any], spec: str = "") -> str:
 def tables(rows: Sequence[dict[str, Any]]) -> str:
     main = ["| scenario | replicas | elapsed s | ideal s | ratio | ops/s | 429s (share) | dups "
             "| worst 1 s exec. / ceiling+burst | tick→1st delete s | last delete→done s "
-            "| steady exec/s | settled per replica | monitor role on | peak RSS MB per replica "
-            "| target |",
-            "|" + "---|" * 16]
+            "| steady exec/s | learnt /s (measured) | settled per replica | monitor role on "
+            "| peak RSS MB per replica | target |",
+            "|" + "---|" * 17]
     cost_t = ["| scenario | replicas | xact/op (all) | idle xact/s | xact/op net of idle "
               "| budget stmts/op (row scans) | budget row updates/op | ledger xact/op "
               "(all - budget) | PG backends CPU s | replicas CPU s | host busy cores |",
@@ -473,7 +526,7 @@ def tables(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         p = r.get("partner") or {}
         if "elapsed_s" not in r:
-            main.append(f"| {r['scenario']} | {r['replicas']} | " + " | ".join(["—"] * 13)
+            main.append(f"| {r['scenario']} | {r['replicas']} | " + " | ".join(["—"] * 14)
                         + f" | {'; '.join(r['notes'])} |")
             continue
         share = f"{p['rate_limited']} ({_f(r['share_429'], '.2%')})"
@@ -485,7 +538,8 @@ def tables(rows: Sequence[dict[str, Any]]) -> str:
             f"| {_f(r['ops_per_s'], ',.0f')} | {share} | {p['duplicates']} "
             f"| {r['max_exec_1s']} / {r['ceiling_plus_burst']:g} "
             f"| {_f(r['first_delete_s'], '.2f')} | {_f(r['tail_s'], '.2f')} "
-            f"| {_f(r['steady_exec_per_s'], '.1f')} | {_slash(r['settled_per_replica'])} "
+            f"| {_f(r['steady_exec_per_s'], '.1f')} | {learnt_path(r)} "
+            f"| {_slash(r['settled_per_replica'])} "
             f"| {monitor_on(r)} | {_slash(r['peak_rss_mb'], '.0f')} | {'; '.join(n for n in notes if n)} |")
         if "xact_per_op" in r:
             cost_t.append(
@@ -566,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f" ops/s {_f(row.get('ops_per_s'), ',.0f')} 429s "
                   f"{(row.get('partner') or {}).get('rate_limited')} settled "
                   f"{row.get('settled_per_replica')} xact/op {_f(row.get('xact_per_op'), '.2f')} "
-                  f"{'; '.join(row['notes'])}", file=sys.stderr, flush=True)
+                  f"learnt {learnt_path(row)} {'; '.join(row['notes'])}", file=sys.stderr, flush=True)
             rows.append(row)
     env = environment()
     text = preamble(start, args.quick, args.dsn) + "\n\n" + tables(rows)

@@ -52,6 +52,9 @@ class Grant:
     # The cut its slot was paced under (BudgetState.cut_at), where the budget paces by
     # cuts (the shared one); None: the grant's time decides.
     cut: float | None = None
+    # When the rate that spaced it was read, where that is earlier than the grant (the
+    # shared budget reserves slots ahead); None: at the grant.
+    paced_at: float | None = None
 
 
 @dataclass(slots=True)

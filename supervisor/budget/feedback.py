@@ -40,7 +40,8 @@ class PolicyFeedback(ABC):
         elif feedback.outcome is Outcome.THROTTLED:
             # A budget that paces by cuts says which one the request was paced under: a
             # 429 for a request granted before the last cut does not cut again.
-            self._apply(policy.Throttle(grant.at, feedback.retry_after_s), now, grant.cut)
+            self._apply(policy.Throttle(grant.at, feedback.retry_after_s, grant.paced_at or 0.0),
+                        now, grant.cut)
 
     def pause(self, until: float, reason: str) -> None:
         self._apply(policy.Pause(until, reason), self._clock())

@@ -113,7 +113,8 @@ class TwoLimits:
         if grant is None:
             self.items.release(items, Feedback(Outcome.OTHER))
             return None
-        return PairGrant(at=grant.at, cut=grant.cut, items=items, cost=cost)
+        return PairGrant(at=grant.at, cut=grant.cut, paced_at=grant.paced_at, items=items,
+                         cost=cost)
 
     def withdraw(self, admission: Admission) -> None:
         self.requests.withdraw(admission)
@@ -126,12 +127,13 @@ class TwoLimits:
         return implicated(self.requests.snapshot().rate, self.items.snapshot().rate, cost)
 
     def release(self, grant: Grant, feedback: Feedback) -> None:
-        mine = grant if isinstance(grant, PairGrant) else PairGrant(grant.at, grant.cut)
+        mine = grant if isinstance(grant, PairGrant) else PairGrant(grant.at, grant.cut,
+                                                                        grant.paced_at)
         scope: Scope = "both"
         if feedback.outcome is Outcome.THROTTLED:
             scope = feedback.scope or self.implicated(mine.cost)
         unblamed = Feedback(Outcome.OTHER, feedback.latency_s)
-        self.requests.release(Grant(mine.at, mine.cut),
+        self.requests.release(Grant(mine.at, mine.cut, mine.paced_at),
                               feedback if scope in ("requests", "both") else unblamed)
         if mine.items is not None:
             # Announced policies describe the partner's request limits: they stay there.

@@ -206,10 +206,12 @@ class Success:
 
 @dataclass(frozen=True, slots=True)
 class Throttle:
-    """A 429 for a request granted at ``sent_at``."""
+    """A 429 for a request granted at ``sent_at``, spaced at the rate read at ``paced_at``
+    (0: then; slots reserved ahead follow the curve late: _measured)."""
 
     sent_at: float
     retry_after_s: float | None
+    paced_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +382,7 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
         quick = 0 <= now - max(s.paused_until, s.cut_at) < FAR_WITHIN_S
         before = s
         pause_s = backoff if ev.retry_after_s is None else ev.retry_after_s
-        s = replace(_cut(cfg, s, now, ev.sent_at, min(pause_s, cfg.max_pause_s)),
+        s = replace(_cut(cfg, s, now, ev.sent_at, min(pause_s, cfg.max_pause_s), _lag(ev)),
                     quick=s.quick + 1 if quick else 0)
         if ev.retry_after_s is None and s.blind == 0:
             s = replace(s, uncut={k: getattr(before, k) for k in _LEARNT})
@@ -407,8 +409,12 @@ _LEARNT = ("rate", "w_max", "cut_to", "cut_at", "probe_s", "strict", "learnt_at"
            "kept_since")
 
 
+def _lag(ev: Throttle) -> float:
+    return max(0.0, ev.sent_at - ev.paced_at) if ev.paced_at else 0.0
+
+
 def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
-         pause_s: float) -> BudgetState:
+         pause_s: float, lag_s: float = 0.0) -> BudgetState:
     rate = s.rate
     high = top(cfg, s)
     if s.w_max is None:
@@ -452,7 +458,7 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
         # The next probe waits twice as long.
         held = max(plateau, s.held or 0.0)
         level = max(plateau, min(rate * PROBE_BACK, (held + rate) / 2))
-        found = _measured(cfg, s, plateau, rate, sent_at)
+        found = _measured(cfg, s, plateau, rate, sent_at, lag_s)
         if found is None:
             return _settle(cfg, replace(s, held=held), level, now)
         # Measured: settle just under it, and probe again eight times more slowly (each
@@ -526,11 +532,14 @@ def jitter_hold(rate: float, pause_s: float) -> float:
 
 
 def _measured(cfg: PolicyConfig, s: BudgetState, plateau: float, failed: float,
-              refused_at: float) -> float | None:
-    """The partner's rate, from a probe above ``plateau`` refused at ``refused_at``."""
+              refused_at: float, lag_s: float = 0.0) -> float | None:
+    """The partner's rate, from a probe above ``plateau`` refused at ``refused_at``, its
+    requests paced at the curve ``lag_s`` late (measured on the curve itself, replicas'
+    slots reserved up to 0.5 s ahead measured a bucket of 50/s at 51 - 53/s)."""
     start = s.cut_at + _recovery_s(cfg, s)
-    return estimate.limit(lambda t: curve(cfg, s, t), start, refused_at, plateau,
-                          min(failed, s.first_rate), s.first_rate, s.first_s)
+    return estimate.limit(lambda t: curve(cfg, s, max(s.cut_at, t - lag_s)), start,
+                          refused_at, plateau, min(failed, s.first_rate), s.first_rate,
+                          s.first_s)
 
 
 def _same_edge(s: BudgetState, rate: float) -> bool:

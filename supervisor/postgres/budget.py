@@ -254,9 +254,12 @@ class PostgresBudget(PolicyFeedback):
             while not self._held_until(self._clock())[0]:
                 self._check_open()
                 at = await self._book.next(self._reserve, lambda now: self._held_until(now)[0] > 0)
-                if at is None or not await self._book.wait(at, self._book.gen):
-                    continue  # no slot reserved, or it went void: look at the hold again
-                now, state = self._clock(), self._view.state
+                if at is None:
+                    continue  # no slot reserved: look at the hold again
+                if not await self._book.wait(at, self._book.gen):
+                    self._book.paced_at(at)  # it went void or stale: forgotten
+                    continue
+                now, state, paced_at = self._clock(), self._view.state, self._book.paced_at(at)
                 if state.paused_until <= now:
                     self.grants += 1
                     self._book.granted(now)
@@ -264,7 +267,7 @@ class PostgresBudget(PolicyFeedback):
                     # A batch of k ids to a partner that counts ids takes k slots in a
                     # row, each at its own time: paced as k requests would be.
                     if taken >= cost:
-                        return Grant(at=now, cut=state.cut_at)
+                        return Grant(at=now, cut=state.cut_at, paced_at=paced_at)
                     continue
                 # A pause began while we waited for the slot: the slot is forfeit.
             # A hold began after the admission: nothing is granted before it ends.

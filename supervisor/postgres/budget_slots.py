@@ -66,6 +66,9 @@ class SlotBook:
         self._state = state
         # Reserved slots (wall clock), all of generation ``gen``; a void starts a new one.
         self._slots: deque[float] = deque()
+        # When each slot's spacing was computed (its reservation): the policy measures a
+        # probe's requests against the rate they were paced at (policy.Throttle.paced_at).
+        self._computed: dict[float, float] = {}
         self.gen = 0
         self._voided = asyncio.Event()
         self.reserving: asyncio.Task[None] | None = None
@@ -119,10 +122,16 @@ class SlotBook:
             # slow database must not starve every worker).
             fresh = [received]
         self._slots.extend(fresh)
+        self._computed.update((at, block.computed_at) for at in fresh)
+
+    def paced_at(self, at: float) -> float | None:
+        """When the spacing of the slot ``at``, just used, was computed."""
+        return self._computed.pop(at, None)
 
     def void(self) -> None:
         """Drop every slot reserved so far and wake the workers sleeping on one."""
         self._slots.clear()
+        self._computed.clear()
         self.gen += 1
         self._voided.set()
         self._voided = asyncio.Event()
@@ -135,7 +144,7 @@ class SlotBook:
         while True:
             now = self._clock()
             while self._slots and self.stale(self._slots[0], now):
-                self._slots.popleft()
+                self._computed.pop(self._slots.popleft(), None)
             if self._slots:
                 return self._slots.popleft()
             if held(now):

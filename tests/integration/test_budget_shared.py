@@ -23,7 +23,7 @@ import asyncpg
 import pytest
 
 from supervisor.budget import policy
-from supervisor.budget.base import Feedback, Outcome, Policy
+from supervisor.budget.base import Feedback, Grant, Outcome, Policy
 from supervisor.budget.policy import BudgetState, PolicyConfig
 from supervisor.budget.settings import LimitsConfig, QuotaConfig
 from supervisor.postgres import listen as pg_listen
@@ -246,6 +246,23 @@ async def test_the_aggregate_never_exceeds_the_ceiling_and_costs_little(
     assert len(everything) >= 0.9 * 2.5 * CEILING * (1 - LimitsConfig().headroom)
     assert all(len(g) > 0.15 * len(everything) for g in grants)  # every replica has a share
     assert statements / granted < 0.5
+
+
+async def test_every_grant_says_when_its_slot_was_paced(replicas: Make) -> None:
+    # Slots are reserved ahead, at the rate of their reservation: a 429 hands that time
+    # to the policy (Throttle.paced_at), which measures a probe at the pace it had.
+    budgets = [await replicas() for _ in range(3)]
+    seen: list[Grant] = []
+
+    async def worker(budget: PostgresBudget) -> None:
+        for _ in range(15):
+            grant = await budget.acquire()
+            budget.release(grant, OK)
+            seen.append(grant)
+
+    await asyncio.gather(*(worker(b) for b in budgets for _ in range(3)))
+    assert len(seen) == 135
+    assert all(g.paced_at is not None and g.paced_at <= g.at for g in seen)
 
 
 async def test_a_429_on_one_replica_cuts_the_rate_of_every_replica_at_once(

@@ -136,7 +136,8 @@ def drain(ceiling: float, limit: Callable[[float], float], burst: float, n: int,
         else:
             refused += 1
             after = float(math.ceil((1.0 - tokens) / rate)) if retry_after else None
-            s = step(c, s, Throttle(T0 + t, after, T0 + paced_t if told else 0.0), T0 + t)
+            s = step(c, s, Throttle(T0 + t, after, T0 + paced_t if told and lag_s else 0.0),
+                     T0 + t)
         rates.append((t, s.rate))
         times.append(t)
     return Run(refused, done, t - t0, s, rates)

@@ -166,5 +166,7 @@ class SlotBook:
         except asyncio.CancelledError:
             if gen == self.gen and not self.stale(at, self._clock()):
                 bisect.insort(self._slots, at)  # unused: another worker takes it
+            else:
+                self._computed.pop(at, None)
             raise
         return gen == self.gen and not self.stale(at, self._clock())

@@ -253,6 +253,7 @@ async def test_every_grant_says_when_its_slot_was_paced(replicas: Make) -> None:
     # to the policy (Throttle.paced_at), which measures a probe at the pace it had.
     budgets = [await replicas() for _ in range(3)]
     seen: list[Grant] = []
+    began = time.time()
 
     async def worker(budget: PostgresBudget) -> None:
         for _ in range(15):
@@ -262,7 +263,12 @@ async def test_every_grant_says_when_its_slot_was_paced(replicas: Make) -> None:
 
     await asyncio.gather(*(worker(b) for b in budgets for _ in range(3)))
     assert len(seen) == 135
-    assert all(g.paced_at is not None and g.paced_at <= g.at for g in seen)
+    paced = [g.paced_at for g in seen]
+    assert all(p is not None for p in paced)
+    # Reserved in this test, before the grant, and at most a block (0.2 s at the rate)
+    # plus a busy host's round trips ahead of it.
+    assert all(began <= g.paced_at <= g.at < g.paced_at + 1.0 for g in seen
+               if g.paced_at is not None)
 
 
 async def test_a_429_on_one_replica_cuts_the_rate_of_every_replica_at_once(

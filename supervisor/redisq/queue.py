@@ -41,7 +41,7 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
 
 from supervisor import metrics
 from supervisor.errors import QueueError

@@ -38,10 +38,10 @@ from typing import Any, TypeVar
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
-from redis.asyncio.retry import Retry
 
 from supervisor import metrics
 from supervisor.errors import QueueError

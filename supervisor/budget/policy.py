@@ -39,7 +39,8 @@ The policy, and why:
   level known to hold, or under a measured limit: strict pacing first, then 3 % steps),
   not by a deep cut, and the next probe is not put off (a close arrival is not a failed
   probe); refused more rarely since it was set than a step down would cost
-  (:func:`jitter_hold`), that is jitter, and the level is kept.
+  (:func:`jitter_hold`), that is jitter, and the level is kept; a step down for a sooner
+  refusal is stepped back up once the lower level has held as long.
   Halving the gap finds a bucket's limit in four 429s where 3 % steps took seven, each a
   whole-second ``Retry-After``; a probe refused just over its plateau keeps the plateau,
   and refused where the edge was last found (measured or refused), the edge has not
@@ -104,6 +105,8 @@ VERIFIED_AFTER = 2.0
 # A strictly paced level refused at most once per jitter_hold requests is kept: at least
 # this many (refusals stay under 1 % of them).
 JITTER_MIN_HELD = 100.0
+# ...and a step down for a sooner one is undone after holding this many (see _recover).
+STEP_BACK_HOLDS = 1.0
 # "At the top": pacing within this fraction of the highest rate allowed.
 AT_TOP = 0.98
 # A 429 without Retry-After: pause everyone this long, doubling per 429 in a row.
@@ -179,6 +182,10 @@ class BudgetState:
     kept: int = 0
     kept_level: float = 0.0
     kept_since: float = 0.0
+    # Steps down for a refusal sooner than jitter_hold allows, not yet stepped back up,
+    # and how long the level must hold to step back one (any other change resets them).
+    steps: int = 0
+    step_back_s: float = 0.0
     recover_s: float | None = None  # the recovery's length, when not recovery_s
     # What a 429 without Retry-After cut, as it was: restored if the next request is
     # refused too with nothing accepted between (a storm, not a limit).
@@ -351,6 +358,12 @@ def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
     if (s.w_max is not None and s.verified != s.w_max
             and now - s.cut_at >= VERIFIED_AFTER * cfg.recovery_s):
         s = replace(s, verified=s.w_max)
+    if (s.steps and s.w_max is not None and s.rate <= s.w_max * JUST_OVER
+            and now - s.cut_at >= s.step_back_s):
+        # Held for the step's break-even: the refusal was as likely a partner's stall.
+        up = min(top(cfg, s), s.w_max / PROBE_BACK)
+        s = replace(s, rate=up, w_max=up, cut_to=up, cut_at=now, learnt_at=now,
+                    steps=s.steps - 1)
     rate = curve(cfg, s, now)
     if (s.w_max is not None and rate >= top(cfg, s)
             and now - s.cut_at >= 2 * cfg.recovery_s + s.probe_s):
@@ -406,7 +419,7 @@ def _undo(cfg: PolicyConfig, s: BudgetState) -> BudgetState:
 # What a cut changes, and a storm's undoing restores.
 _LEARNT = ("rate", "w_max", "cut_to", "cut_at", "probe_s", "strict", "learnt_at", "last_cut",
            "verified", "quick", "held", "estimate", "recover_s", "kept", "kept_level",
-           "kept_since")
+           "kept_since", "steps", "step_back_s")
 
 
 def _lag(ev: Throttle) -> float:
@@ -513,7 +526,9 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
             # came too close half the time (the same behind nginx fell to 75 %).
             return replace(s, cut_to=rate, cut_at=now, learnt_at=now, last_cut="probe",
                            kept=kept + 1, kept_level=rate, kept_since=since)
-        return _settle(cfg, s, rate * PROBE_BACK, now, probe_s=s.probe_s)
+        step = rate * PROBE_BACK
+        return replace(_settle(cfg, s, step, now, probe_s=s.probe_s), steps=s.steps + 1,
+                       step_back_s=STEP_BACK_HOLDS * jitter_hold(step, pause_s) / step)
     # Throttled while climbing back to the plateau: the plateau itself is too high.
     return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
 
@@ -557,7 +572,7 @@ def _settle(cfg: PolicyConfig, s: BudgetState, w_max: float, now: float,
     w_max = max(cfg.floor, w_max)
     probe_s = min(cfg.max_probe_s, s.probe_s * 2) if probe_s is None else probe_s
     return replace(s, rate=w_max, w_max=w_max, cut_to=w_max, cut_at=now, learnt_at=now,
-                   probe_s=probe_s, last_cut="probe", recover_s=None)
+                   probe_s=probe_s, last_cut="probe", recover_s=None, steps=0)
 
 
 def _lower(cfg: PolicyConfig, s: BudgetState, cut_to: float, w_max: float,
@@ -566,7 +581,7 @@ def _lower(cfg: PolicyConfig, s: BudgetState, cut_to: float, w_max: float,
     cut_to = max(cfg.floor, cut_to)
     return replace(s, w_max=max(cut_to, w_max), cut_to=cut_to, cut_at=now, rate=cut_to,
                    probe_s=cfg.probe_s, learnt_at=now, last_cut="lower", held=None,
-                   estimate=None, recover_s=None)
+                   estimate=None, recover_s=None, steps=0)
 
 
 def _announce(cfg: PolicyConfig, s: BudgetState, ev: Announce, now: float) -> BudgetState:

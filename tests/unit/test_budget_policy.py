@@ -630,3 +630,32 @@ def test_a_probe_refused_just_over_its_plateau_keeps_the_plateau() -> None:
     slower = step(c, again, Throttle(again_at, 1.0), again_at)
     assert slower.w_max == pytest.approx(plateau)
     assert slower.probe_s == pytest.approx(min(c.max_probe_s, kept.probe_s * 8))
+
+
+def test_a_level_stepped_down_for_a_sooner_refusal_steps_back_up_once_it_held() -> None:
+    # Refusals that come at any level (the partner's own stalls) walked a long run's level
+    # down 3 % at a time, and only a probe minutes later brought it back. A step down for
+    # a refusal sooner than jitter_hold allows is undone once the lower level has held
+    # that long; the level stepped back to, refused as soon, steps down again.
+    c = cfg(rate_per_second=40.0, probe_seconds=12.0, recovery_seconds=8.0)
+    # No level that held under it (a bucket of one refusing close arrivals at any rate):
+    # a refusal too soon is a step down, not halfway to such a level; and a run that has
+    # found its edge probes above it only every 600 s.
+    s = replace(settled_strictly(c, 1.0), held=None, probe_s=c.max_probe_s)
+    s = step(c, s, Success(), T0 + 31.0)
+    level = s.rate
+    at = T0 + 30.0 + 100.0 / level  # 100 requests after the level was set
+    s = step(c, s, Throttle(at, 1.0), at)
+    low = s.rate
+    assert low == pytest.approx(level * policy.PROBE_BACK)
+    hold_s = policy.jitter_hold(low, 1.0) / low
+    s = step(c, s, Success(), at + 0.5 * hold_s)
+    assert s.rate < level
+    up_at = at + hold_s + 0.5
+    s = step(c, s, Success(), up_at)
+    assert s.rate == pytest.approx(level)
+    s = step(c, s, Success(), up_at + 1.0)  # one step back, not a climb
+    assert s.rate == pytest.approx(level)
+    again = up_at + 100.0 / level
+    s = step(c, s, Throttle(again, 1.0), again)
+    assert s.rate == pytest.approx(low)

@@ -25,15 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cleanup_sandbox.limits import Gcra, Limiter, SlidingLog, TokenBucket
-from supervisor.budget.policy import (
-    BudgetState,
-    PolicyConfig,
-    Success,
-    Throttle,
-    initial,
-    remembered,
-    step,
-)
+from supervisor.budget.policy import initial, remembered, step
+from supervisor.budget.policy_state import BudgetState, PolicyConfig, Success, Throttle
 from supervisor.budget.settings import LimitsConfig
 
 T0 = 1_800_000_000.0

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from supervisor.budget import policy
 from supervisor.budget.base import Policy, QuotaView
+from supervisor.budget.policy_state import Announce, Pause
 
 # A rate policy with a window this long or shorter is a pace; longer, a quota to spend.
 PACE_WINDOW_S = 60.0
@@ -35,7 +35,7 @@ class Announced:
         return list(self._by_name)
 
     def learn(self, policies: tuple[Policy, ...],
-              now: float) -> tuple[policy.Announce, list[policy.Pause]]:
+              now: float) -> tuple[Announce, list[Pause]]:
         """What one answer's policies tell the policy: the per-second limit to pace by,
         and the pauses for quotas it says are spent."""
         paces = [p.limit / p.window_s for p in policies if p.window_s <= PACE_WINDOW_S]
@@ -46,8 +46,8 @@ class Announced:
                 # Spent: everyone waits for the reset. Pacing by a short policy keeps its
                 # remaining near 0 all the time, so only longer ones (or a lone one) hold.
                 if p.remaining is not None and p.remaining < 1 and p.reset_s:
-                    pauses.append(policy.Pause(now + p.reset_s, f"quota {p.name} exhausted"))
-        return policy.Announce(min(paces) if paces else None), pauses
+                    pauses.append(Pause(now + p.reset_s, f"quota {p.name} exhausted"))
+        return Announce(min(paces) if paces else None), pauses
 
     def _note(self, p: Policy, now: float) -> Policy:
         if p.reset_s is not None and p.reset_s > self._max_pause_s:

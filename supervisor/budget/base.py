@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from supervisor.budget.policy import BudgetState
+from supervisor.budget.policy_state import BudgetState
 
 
 class Outcome(enum.Enum):

@@ -9,15 +9,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
-from supervisor.budget import policy
 from supervisor.budget.announced import Announced
 from supervisor.budget.base import Feedback, Grant, Outcome, QuotaView, Snapshot
-from supervisor.budget.policy import BudgetState, PolicyConfig
+from supervisor.budget.policy_state import Announce, BudgetState, Pause, PolicyConfig, Resume, Throttle
 from supervisor.budget.slots import Slots
 
 # What a budget applies besides a success (which the shared budget writes only when it
 # changes more than the rate).
-PolicyChange = policy.Throttle | policy.Announce | policy.Pause | policy.Resume
+PolicyChange = Throttle | Announce | Pause | Resume
 
 
 class PolicyFeedback(ABC):
@@ -40,14 +39,14 @@ class PolicyFeedback(ABC):
         elif feedback.outcome is Outcome.THROTTLED:
             # A budget that paces by cuts says which one the request was paced under: a
             # 429 for a request granted before the last cut does not cut again.
-            self._apply(policy.Throttle(grant.at, feedback.retry_after_s, grant.paced_at or 0.0),
+            self._apply(Throttle(grant.at, feedback.retry_after_s, grant.paced_at or 0.0),
                         now, grant.cut)
 
     def pause(self, until: float, reason: str) -> None:
-        self._apply(policy.Pause(until, reason), self._clock())
+        self._apply(Pause(until, reason), self._clock())
 
     def resume(self, forget_limit: bool = False) -> None:
-        self._apply(policy.Resume(forget_limit), self._clock())
+        self._apply(Resume(forget_limit), self._clock())
 
     def _snapshot(self, state: BudgetState, quotas: Sequence[QuotaView]) -> Snapshot:
         return Snapshot(state=state, ceiling=self.cfg.ceiling,

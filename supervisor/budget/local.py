@@ -22,7 +22,7 @@ from supervisor.budget.announced import PACE_WINDOW_S, Announced
 from supervisor.budget.base import Admission, Grant, QuotaView, Snapshot
 from supervisor.budget.feedback import PolicyChange, PolicyFeedback, shown
 from supervisor.budget.pacer import Pacer
-from supervisor.budget.policy import BudgetState, PolicyConfig
+from supervisor.budget.policy_state import BudgetState, PolicyConfig, Success
 from supervisor.budget.quota import RollingQuota
 from supervisor.budget.settings import LimitsConfig
 from supervisor.budget.slots import Slots
@@ -182,7 +182,7 @@ class LocalBudget(PolicyFeedback):
         self._set(policy.step(self.cfg, self._state, event, now))
 
     def _succeeded(self, now: float, sent_at: float) -> None:
-        self._set(policy.step(self.cfg, self._state, policy.Success(sent_at), now))
+        self._set(policy.step(self.cfg, self._state, Success(sent_at), now))
 
     def _rate(self) -> float:
         return self._state.rate

@@ -81,17 +81,11 @@ from supervisor.budget.policy_state import (
     Announce,
     BudgetState,
     Event,
-    Pause,
     PolicyConfig,
     Resume,
     Success,
     Throttle,
 )
-
-# The state and the events are the policy's vocabulary: its callers name them from here.
-__all__ = ["Announce", "BudgetState", "Event", "Pause", "PolicyConfig", "Resume", "Success",
-           "Throttle", "curve", "initial", "jitter_hold", "overlong", "remembered", "step",
-           "top"]
 
 # W_max sits this far under the rate that was throttled: the partner let that rate through
 # for a while (its bucket), so it overstates the limit a little.

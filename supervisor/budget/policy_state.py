@@ -10,6 +10,7 @@ from typing import Any
 
 from supervisor.budget.settings import LimitsConfig
 
+
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     ceiling: float

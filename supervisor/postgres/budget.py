@@ -60,7 +60,7 @@ from supervisor.budget import policy
 from supervisor.budget.announced import Announced
 from supervisor.budget.base import Admission, Grant, QuotaView, Snapshot
 from supervisor.budget.feedback import PolicyChange, PolicyFeedback, shown
-from supervisor.budget.policy import BudgetState, PolicyConfig
+from supervisor.budget.policy_state import BudgetState, PolicyConfig, Resume
 from supervisor.budget.quota import RollingQuota
 from supervisor.budget.settings import LimitsConfig
 from supervisor.budget.slots import Slots
@@ -154,7 +154,7 @@ class PostgresBudget(PolicyFeedback):
         if not alone and policy.overlong(self.cfg, self._view.state, now):
             # Written by a release that did not bound pauses: lifted for every replica.
             self._drop_overlong(self._view.state, now)
-            self._view.event(policy.Resume(), now)
+            self._view.event(Resume(), now)
         state = self._view.state
         log.info("shared budget for %s starts at %.1f/s (learnt %s, paused until %s%s)",
                  self.key, state.rate, shown(state.w_max), shown(state.paused_until or None),

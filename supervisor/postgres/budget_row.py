@@ -24,7 +24,15 @@ from typing import Any
 import asyncpg
 
 from supervisor.budget import policy
-from supervisor.budget.policy import BudgetState, PolicyConfig
+from supervisor.budget.policy_state import (
+    Announce,
+    BudgetState,
+    Pause,
+    PolicyConfig,
+    Resume,
+    Success,
+    Throttle,
+)
 from supervisor.budget.quota import RollingQuota
 from supervisor.postgres.connect import Migration, channel
 
@@ -81,7 +89,7 @@ class Pending:
     ``paced_cut`` is the ``cut_at`` of the state its request was paced under, as the
     replica knew it (None: not known, its ``sent_at`` decides alone)."""
 
-    event: policy.Throttle | policy.Announce | policy.Pause | policy.Resume | policy.Success
+    event: Throttle | Announce | Pause | Resume | Success
     now: float
     paced_cut: float | None = None
 
@@ -103,7 +111,7 @@ def live(cfg: PolicyConfig, state: BudgetState, now: float) -> BudgetState:
 
 def apply(cfg: PolicyConfig, state: BudgetState, pending: Pending) -> BudgetState:
     event = pending.event
-    if isinstance(event, policy.Throttle):
+    if isinstance(event, Throttle):
         # The policy trims what was being paced: the rate the curve gives by then.
         state = live(cfg, state, pending.now)
         if pending.paced_cut is not None:
@@ -144,7 +152,7 @@ def with_events(cfg: PolicyConfig, row: Row, batch: list[Pending], now: float) -
         after = apply(cfg, after, pending)
     if after == before:
         return None
-    if any(isinstance(p.event, policy.Resume) for p in batch):
+    if any(isinstance(p.event, Resume) for p in batch):
         # The pause lifted: the next slot is now, not where the pause had moved it; what
         # was reserved for after the pause is void.
         next_at = max(after.paused_until, now)

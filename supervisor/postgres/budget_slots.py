@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from supervisor.budget.pacer import PreciseSleep
-from supervisor.budget.policy import BudgetState
+from supervisor.budget.policy_state import BudgetState
 
 # A reservation covers at most this much time at the rate: replicas interleave in blocks
 # this long, and a cut voids at most this much of another replica's pacing.
@@ -67,7 +67,7 @@ class SlotBook:
         # Reserved slots (wall clock), all of generation ``gen``; a void starts a new one.
         self._slots: deque[float] = deque()
         # When each slot's spacing was computed (its reservation): the policy measures a
-        # probe's requests against the rate they were paced at (policy.Throttle.paced_at).
+        # probe's requests against the rate they were paced at (Throttle.paced_at).
         self._computed: dict[float, float] = {}
         self.gen = 0
         self._voided = asyncio.Event()

@@ -34,7 +34,15 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from supervisor.budget import policy
-from supervisor.budget.policy import BudgetState, PolicyConfig
+from supervisor.budget.policy_state import (
+    Announce,
+    BudgetState,
+    Pause,
+    PolicyConfig,
+    Resume,
+    Success,
+    Throttle,
+)
 from supervisor.budget.quota import RollingQuota
 from supervisor.postgres.budget_row import (
     BudgetTable,
@@ -192,13 +200,13 @@ class SharedView:
 
     # -- writing the row -------------------------------------------------------------
 
-    def event(self, event: policy.Throttle | policy.Announce | policy.Pause | policy.Resume,
+    def event(self, event: Throttle | Announce | Pause | Resume,
               now: float,
               paced_cut: float | None = None) -> None:
         """Apply ``event`` here at once, and to the row soon."""
         pending = Pending(event, now, paced_cut)
         new = apply(self.cfg, self.state, pending)
-        if new == self.state and not isinstance(event, policy.Throttle):
+        if new == self.state and not isinstance(event, Throttle):
             return  # nothing changes: nothing to write
         if voids(self.cfg, self.state, new, now):
             self._on_void()  # this replica's slots at once; the row's epoch voids everyone's
@@ -209,13 +217,13 @@ class SharedView:
 
     def success(self, now: float, sent_at: float = 0.0) -> None:
         old = self.state
-        new = policy.step(self.cfg, old, policy.Success(sent_at), now)
+        new = policy.step(self.cfg, old, Success(sent_at), now)
         self._set(new)
         if new.began != old.began and self.pending:
             # The run's first request, behind events still to be written: the row takes
             # it after them, or the write of those would drop when the run began (what
             # the partner's burst is measured from).
-            self.pending.append(Pending(policy.Success(sent_at), now))
+            self.pending.append(Pending(Success(sent_at), now))
             self.kick()
             return
         if replace(new, rate=0.0) != replace(old, rate=0.0) and not self.pending:

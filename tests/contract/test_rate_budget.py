@@ -18,7 +18,7 @@ from supervisor.budget import policy
 from supervisor.budget.base import Feedback, Grant, Outcome, Policy, RateBudget
 from supervisor.budget.local import LocalBudget, MemoryStore
 from supervisor.budget.pair import TwoLimits, item_limits
-from supervisor.budget.policy import BudgetState
+from supervisor.budget.policy_state import BudgetState
 from supervisor.budget.settings import LimitsConfig, QuotaConfig
 from supervisor.postgres.budget import MIGRATIONS, PostgresBudget
 from supervisor.postgres.connect import create_pool, migrate

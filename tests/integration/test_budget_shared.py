@@ -24,7 +24,7 @@ import pytest
 
 from supervisor.budget import policy
 from supervisor.budget.base import Feedback, Grant, Outcome, Policy
-from supervisor.budget.policy import BudgetState, PolicyConfig
+from supervisor.budget.policy_state import BudgetState, PolicyConfig, Throttle
 from supervisor.budget.settings import LimitsConfig, QuotaConfig
 from supervisor.postgres import listen as pg_listen
 from supervisor.postgres.budget import MIGRATIONS, PostgresBudget
@@ -346,7 +346,7 @@ async def test_one_429_storm_seen_by_three_replicas_cuts_once(
     await asyncio.gather(*(b.save() for b in budgets))
     shared = await shared_state(pg)
     cfg = PolicyConfig.from_limits(limits())
-    once = policy.step(cfg, initial, policy.Throttle(grants[0].at, 1.0), time.time())
+    once = policy.step(cfg, initial, Throttle(grants[0].at, 1.0), time.time())
     assert shared.rate == pytest.approx(once.rate)  # one edge trim, not three
     assert shared.w_max == pytest.approx(once.w_max)
     await until(lambda: all(b.snapshot().state.cut_at == shared.cut_at for b in budgets), 1.5)
@@ -640,7 +640,7 @@ async def test_a_replica_late_to_hear_of_a_cut_does_not_cut_again(
     assert a.snapshot().state.cut_at == initial.cut_at
     a.release(late, THROTTLED_NOW)  # the same storm: sent at the old rate
     await a.save()
-    once = policy.step(cfg, initial, policy.Throttle(mine.at, 0.0), cut_at)
+    once = policy.step(cfg, initial, Throttle(mine.at, 0.0), cut_at)
     shared = await shared_state(pg)
     assert shared.rate == pytest.approx(once.rate)  # one cut, not two
     assert shared.cut_at == cut_at

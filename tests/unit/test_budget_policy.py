@@ -13,17 +13,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from supervisor.budget import policy
-from supervisor.budget.policy import (
+from supervisor.budget.policy import curve, initial, remembered, step
+from supervisor.budget.policy_state import (
     Announce,
     BudgetState,
     Pause,
     PolicyConfig,
+    Resume,
     Success,
     Throttle,
-    curve,
-    initial,
-    remembered,
-    step,
 )
 from supervisor.budget.settings import LimitsConfig
 
@@ -341,7 +339,7 @@ def test_429s_without_retry_after_and_nothing_accepted_back_off_without_cutting_
 
 
 def test_no_pause_ends_later_than_the_longest_pause_after_it_began() -> None:
-    c = policy.PolicyConfig.from_limits(LimitsConfig(), max_pause_s=120.0)
+    c = PolicyConfig.from_limits(LimitsConfig(), max_pause_s=120.0)
     s = step(c, initial(c), Pause(T0 + 1.8e12, "quota x-ratelimit exhausted"), T0)
     assert s.paused_until == T0 + 120.0
     s = step(c, initial(c), Throttle(T0, 1e9), T0)
@@ -350,7 +348,7 @@ def test_no_pause_ends_later_than_the_longest_pause_after_it_began() -> None:
 
 
 def test_memory_drops_a_pause_longer_than_the_longest_pause() -> None:
-    c = policy.PolicyConfig.from_limits(LimitsConfig(), max_pause_s=900.0)
+    c = PolicyConfig.from_limits(LimitsConfig(), max_pause_s=900.0)
     saved = BudgetState(rate=10.0, paused_until=T0 + 1.8e12, pause_reason="quota x")
     assert policy.overlong(c, saved, T0)
     fresh = remembered(c, saved, T0)
@@ -364,10 +362,10 @@ def test_resume_lifts_the_pause_and_forgets_only_when_asked() -> None:
     c = cfg()
     s = step(c, initial(c), Throttle(T0, 1.0), T0)
     s = step(c, s, Pause(T0 + 600, "maintenance"), T0)
-    lifted = step(c, s, policy.Resume(), T0 + 1)
+    lifted = step(c, s, Resume(), T0 + 1)
     assert (lifted.paused_until, lifted.pause_reason, lifted.resumed_at) == (0.0, "", T0 + 1)
     assert (lifted.w_max, lifted.rate) == (s.w_max, s.rate)  # the limit is still learnt
-    forgot = step(c, s, policy.Resume(forget_limit=True), T0 + 1)
+    forgot = step(c, s, Resume(forget_limit=True), T0 + 1)
     assert forgot == replace(initial(c), resumed_at=T0 + 1)
     assert remembered(c, forgot, T0 + 2).paused_until == 0.0
 
@@ -561,9 +559,9 @@ def test_an_announcement_raised_again_lifts_the_rate_a_429_just_before_it_held_l
     c = cfg(rate_per_second=50.0)
     s = step(c, initial(c), Throttle(T0, 1.0), T0)
     assert s.last_cut == "edge"
-    s = step(c, s, policy.Announce(12.5), T0 + 0.1)
+    s = step(c, s, Announce(12.5), T0 + 0.1)
     assert s.rate <= 12.5
-    s = step(c, s, policy.Announce(50.0), T0 + 10.0)
+    s = step(c, s, Announce(50.0), T0 + 10.0)
     s = step(c, s, Success(), T0 + 10.0 + c.recovery_s)
     assert s.rate >= 0.9 * 50.0
 
@@ -572,10 +570,10 @@ def test_an_edge_learnt_at_the_announced_limit_is_dropped_when_it_is_announced_h
     # Announced at a quarter first, then a 429 at that announced top (an edge, probed
     # every 600 s): when the partner announces its full limit again, the rate goes there.
     c = cfg(rate_per_second=50.0)
-    s = step(c, initial(c), policy.Announce(12.5), T0)
+    s = step(c, initial(c), Announce(12.5), T0)
     s = step(c, s, Throttle(T0 + 1.0, 1.0), T0 + 1.0)
     assert s.rate < 12.5
-    s = step(c, s, policy.Announce(50.0), T0 + 10.0)
+    s = step(c, s, Announce(50.0), T0 + 10.0)
     s = step(c, s, Success(), T0 + 10.1)
     assert s.rate >= 0.9 * 50.0
 

@@ -112,8 +112,6 @@ VERIFIED_AFTER = 2.0
 # A strictly paced level refused at most once per jitter_hold requests is kept: at least
 # this many (refusals stay under 1 % of them).
 JITTER_MIN_HELD = 100.0
-# ...and a step down for a sooner one is undone after holding this many (see _recover).
-STEP_BACK_HOLDS = 1.0
 # "At the top": pacing within this fraction of the highest rate allowed.
 AT_TOP = 0.98
 # A 429 without Retry-After: pause everyone this long, doubling per 429 in a row.
@@ -122,8 +120,6 @@ BLIND_BASE_S = 0.1
 # request at most this often, so a run resumes at most this long after it reopens (a
 # backoff that kept doubling overshot a 3 s storm by 3 s).
 BLIND_MAX_S = 0.5
-
-
 
 
 def top(cfg: PolicyConfig, s: BudgetState) -> float:
@@ -405,9 +401,12 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
             # came too close half the time (the same behind nginx fell to 75 %).
             return replace(s, cut_to=rate, cut_at=now, learnt_at=now, last_cut="probe",
                            kept=kept + 1, kept_level=rate, kept_since=since)
+        # Stepped back up once the lower level has held for the step's break-even
+        # (_recover): a partner that stalls now and then refuses at any level, and every
+        # step kept for good walked a long run down (a bucket of one at 20/s to 17.1/s).
         step = rate * PROBE_BACK
         return replace(_settle(cfg, s, step, now, probe_s=s.probe_s), steps=s.steps + 1,
-                       step_back_s=STEP_BACK_HOLDS * jitter_hold(step, pause_s) / step)
+                       step_back_s=jitter_hold(step, pause_s) / step)
     # Throttled while climbing back to the plateau: the plateau itself is too high.
     return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
 

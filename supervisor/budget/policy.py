@@ -18,8 +18,8 @@ The policy, and why:
   bursts after a late wake-up). A deep cut here would cost a third of the run for nothing.
 * **Elsewhere a 429 cuts multiplicatively** to ``decrease_factor`` of the throttled rate,
   with ``W_max`` (the plateau of the recovery) at 0.95 of it. Refused again within a
-  second of resuming at the rate just cut to (or just after an edge trim), the partner's
-  burst drained at once and the limit is far below: **halve**, and
+  second of resuming, on the way back from the rate just cut to (or just after an edge
+  trim), the partner's burst drained at once and the limit is far below: **halve**, and
   climb back from underneath, because every step down from above costs a Retry-After pause
   of every worker while a climb costs none. Halved from the top, the climb starts at once
   (half is a floor, not a level that held), so that its probe measures the limit.
@@ -316,12 +316,14 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
                 edge = replace(edge, first_rate=rate, first_s=sent_at - s.began)
             return replace(edge, probe_s=cfg.max_probe_s, last_cut="edge")
         return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
-    # Refused again within a second of resuming, at the rate just cut to (or right after
-    # an edge trim): the partner's burst drained at once, so the limit is far below.
+    # Refused again within a second of resuming, on the way back from the rate just cut
+    # to (or right after an edge trim): the partner's burst drained at once, so the limit
+    # is far below. (The curve climbs a third of the way during a whole-second pause; only
+    # at the rate cut to, a bucket of one was cut by 0.8 a second for ten seconds.)
     plateau = s.w_max
     resumed_s = now - max(s.paused_until, s.cut_at)
     if (s.last_cut in ("edge", "lower") and resumed_s < FAR_WITHIN_S
-            and rate <= s.cut_to * NEAR):
+            and rate <= plateau * NEAR):
         # Halve, and climb back from underneath: a climb costs no pause, every step down
         # from above costs one. Pacing stays strict after a refuted edge: strictness costs
         # a late departure's lateness (under 1 %), while a bucket of one refuses tolerant

@@ -75,6 +75,20 @@ def test_a_second_429_at_the_rate_just_cut_to_halves_it() -> None:
     assert s.rate == pytest.approx(48.0 * policy.HALVE)
 
 
+def test_a_second_429_soon_after_a_whole_second_pause_halves_the_curve_it_climbed_to() -> None:
+    # The recovery's curve climbs fastest right after the cut, so a one-second Retry-After
+    # resumes it a third of the way back to the plateau: refused at once there, the limit
+    # is as far below as at the rate cut to. Cut by 0.8 a second instead, a bucket of one
+    # took ten seconds to follow a limit dropped to a quarter.
+    c = cfg(decrease_factor=0.8)
+    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 1.0), T0)
+    s = step(c, s, Success(), T0 + 1.0)
+    assert s.rate > s.cut_to * policy.NEAR
+    climbed = s.rate
+    s = step(c, s, Throttle(T0 + 1.05, 1.0), T0 + 1.06)
+    assert s.rate == pytest.approx(climbed * policy.HALVE)
+
+
 def test_a_429_soon_after_an_edge_trim_was_no_edge_and_halves() -> None:
     c = cfg()
     s = step(c, initial(c), Throttle(T0 - 0.01, 1.0), T0)

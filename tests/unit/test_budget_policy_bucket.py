@@ -80,6 +80,24 @@ def test_a_limit_that_comes_back_is_followed_back_to_ninety_percent(
 
 
 @pytest.mark.parametrize("seed", range(8))
+def test_a_bucket_of_one_follows_a_limit_that_drops_and_comes_back(seed: int) -> None:
+    # The same cell against a bucket of one with this host's jitter. Each 429's
+    # whole-second Retry-After let the recovery's curve climb a third of the way back
+    # before the next refusal, which was then taken for a limit under the plateau (a cut
+    # by 0.8), not one far below (a halving): down to the new limit in 9.4 s, so the climb
+    # began after the limit had come back, and 90 % again 15 - 15.6 s after it did.
+    # Now 3.1 - 4.1 s down and 8.8 - 9.8 s back.
+    def limit(t: float) -> float:
+        return 12.5 if 8.0 <= t < 18.0 else 50.0
+
+    run = drain(ceiling=50.0, limit=limit, burst=1.0, n=1375, jitter=Jitter(seed))
+    down = next(t for t, rate in run.rates if t >= 8.0 and rate <= 12.5)
+    back = next(t for t, rate in run.rates if t >= 18.0 and rate >= 0.9 * 50.0)
+    assert down - 8.0 <= 5.0
+    assert back - 18.0 <= 12.0
+
+
+@pytest.mark.parametrize("seed", range(8))
 def test_a_bucket_of_one_with_the_hosts_jitter_is_not_halved_to_a_quarter(seed: int) -> None:
     # A bucket of one refuses any arrival early by a millisecond, so with a host's jitter
     # its refusals are random near the limit. Tolerant pacing after the halving (catch-up

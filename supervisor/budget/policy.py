@@ -318,8 +318,9 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
         return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
     # Refused again within a second of resuming, on the way back from the rate just cut
     # to (or right after an edge trim): the partner's burst drained at once, so the limit
-    # is far below. (The curve climbs a third of the way during a whole-second pause; only
-    # at the rate cut to, a bucket of one was cut by 0.8 a second for ten seconds.)
+    # is far below. (With the default recovery_seconds, the curve climbs a third of the way
+    # during a whole-second pause: matched only at the rate cut to, a bucket of one was cut
+    # by 0.8 a second for ten seconds.)
     plateau = s.w_max
     resumed_s = now - max(s.paused_until, s.cut_at)
     if (s.last_cut in ("edge", "lower") and resumed_s < FAR_WITHIN_S

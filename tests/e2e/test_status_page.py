@@ -37,7 +37,7 @@ WAIT_S = 45.0
 
 try:
     from selenium import webdriver
-    from selenium.common.exceptions import TimeoutException
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.chrome.service import Service as DriverService
     from selenium.webdriver.common.by import By
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -84,7 +84,10 @@ class Browser:
     async def until(self, condition: Callable[[WebDriver], Any], what: str,
                     within_s: float = WAIT_S) -> Any:
         def wait() -> Any:
-            return WebDriverWait(self.driver, within_s, poll_frequency=0.1).until(
+            # A condition may find an element on the page a form post is replacing, and
+            # read it after it went: that is "not yet", as a missing element is.
+            return WebDriverWait(self.driver, within_s, poll_frequency=0.1,
+                                 ignored_exceptions=(StaleElementReferenceException,)).until(
                 condition, message=what)
         try:
             return await asyncio.to_thread(wait)

@@ -41,6 +41,7 @@ try:
     from selenium.webdriver.chrome.service import Service as DriverService
     from selenium.webdriver.common.by import By
     from selenium.webdriver.remote.webdriver import WebDriver
+    from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import Select, WebDriverWait
 except ImportError:  # the skip below says how to install it
     webdriver = None  # type: ignore[assignment]
@@ -103,7 +104,11 @@ class Browser:
         box = self.driver.find_element(By.ID, "token")
         box.clear()
         box.send_keys(token)
+        page = self.driver.find_element(By.TAG_NAME, "html")
         await self.call(self.driver.find_element(By.CSS_SELECTOR, "#login button").click)
+        # The post answers with a new page: until the old one has gone, anything found
+        # is the form just submitted.
+        await self.until(expected_conditions.staleness_of(page), "the login form's answer")
 
     def console_errors(self) -> list[str]:
         """Errors the page's console showed: a script error, a refused CSP directive."""

@@ -58,6 +58,9 @@ class Presence(enum.Enum):
 # Past this a value is a Unix time (2001, in seconds or milliseconds: timestamps.py), not
 # seconds left: a delay that long (31 years) is no delay anyone means.
 _EPOCH_FROM = 1e9
+# How far a partner's clock may run ahead of ours for a reset it sends as a Unix time
+# (servers kept by NTP are within tens of milliseconds; a quarter second is generous).
+EPOCH_SKEW_S = 0.25
 # At most this many policies are read from one field: a partner (or a middlebox) that
 # sends thousands must not make every answer cost thousands of steps.
 MAX_POLICIES_PER_FIELD = 16
@@ -174,11 +177,17 @@ def parse_policies(headers: Mapping[str, str], now: float, maximum: float = math
         # The window is not sent. A reset within a second is a per-second limit, a pace;
         # anything further is a budget to spend until the reset (its window is unknown:
         # a reset 30 s away may be the middle of a minute, so limit / reset is no pace).
-        # A Unix time in whole seconds is up to a second after the real reset, so one
-        # within two seconds is within one: read as a budget, a per-second window held
-        # every worker to its reset on each spent second (1.745 x N/R with no 429).
-        whole = raw is not None and _EPOCH_FROM < raw < MILLIS_FROM and raw == int(raw)
-        window = 1.0 if until is not None and until <= (2.0 if whole else 1.0) else 86400.0
+        # A Unix time is the partner's clock, ours off by its skew: one within a second
+        # of its clock may read a little later on ours (a partner that sends now plus its
+        # counter's TTL, rounded up to the millisecond, reads 1.001 s). In whole seconds
+        # it is also up to a second after the real reset. Read as a budget, a per-second
+        # window held every worker to its reset on each spent second (1.745 x N/R with
+        # no 429 in whole seconds, 1.297 with six in milliseconds).
+        within = 1.0
+        if raw is not None and raw > _EPOCH_FROM:
+            whole = raw < MILLIS_FROM and raw == int(raw)
+            within += EPOCH_SKEW_S + (1.0 if whole else 0.0)
+        window = 1.0 if until is not None and until <= within else 86400.0
         out["x-ratelimit"] = Policy("x-ratelimit", int(limit), window,
                                     None if remaining is None else int(remaining), until)
     return tuple(out.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from datetime import UTC, datetime
 from email.utils import format_datetime
@@ -60,6 +61,25 @@ def test_x_ratelimit_resetting_within_a_second_in_whole_unix_seconds_is_a_pace()
     assert p.window_s == 1.0
     (p,) = parse_policies({"X-RateLimit-Limit": "50", "X-RateLimit-Remaining": "3",
                            "X-RateLimit-Reset": "1.3"}, now)  # seconds left: exact
+    assert p.window_s == 86400.0
+
+
+@pytest.mark.parametrize("ahead_s", [0.0, 0.001, 0.2])
+def test_x_ratelimit_resetting_within_a_second_in_unix_milliseconds_is_a_pace(
+        ahead_s: float) -> None:
+    # A partner that sends now plus its counter's TTL (one whole second) in milliseconds,
+    # rounded up, from a clock up to 0.2 s ahead of ours. Read as a budget, every spent
+    # window held every worker to its reset (1.297 x N/R in the dialects bench).
+    reset = str(math.ceil((NOW + 1.0 + ahead_s) * 1000))
+    (p,) = parse_policies({"X-RateLimit-Limit": "50", "X-RateLimit-Remaining": "3",
+                           "X-RateLimit-Reset": reset}, NOW)
+    assert (p.window_s, p.reset_s) == (1.0, pytest.approx(1.0 + ahead_s, abs=0.002))
+
+
+def test_x_ratelimit_resetting_later_in_unix_milliseconds_is_a_quota() -> None:
+    # Past the clocks' skew, a reset 1.5 s away is no longer a per-second window.
+    (p,) = parse_policies({"X-RateLimit-Limit": "50", "X-RateLimit-Remaining": "3",
+                           "X-RateLimit-Reset": str(int((NOW + 1.5) * 1000))}, NOW)
     assert p.window_s == 86400.0
 
 

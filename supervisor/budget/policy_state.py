@@ -61,7 +61,7 @@ class BudgetState:
     last_cut: str = ""  # edge | lower | probe: what the last 429 was taken for
     verified: float | None = None  # a plateau that held for 2 x recovery_s: memory trusts it
     resumed_at: float = 0.0  # when an operator last lifted the pause: older holds are void
-    quick: int = 0  # cuts in a row, each refused within FAR_WITHIN_S of resuming
+    quick: int = 0  # cuts in a row, each refused within QUICK_WITHIN_S of resuming
     # The highest level that held through a recovery period before a probe above it
     # failed: the limit lies between it and what failed, so a step down goes halfway to it.
     held: float | None = None

@@ -9,7 +9,8 @@ partner sends, and prints the ratio (time / (N / R)) and the 429s of every pair,
 no event loop. The bucket of one is left out of the grid (its refusals are the host's
 jitter): it runs last against a seeded model of that jitter (``Jitter``), a first run
 and a second from what it remembered; then the simulator's own limiter classes (the
-sliding log the bucket model is not) with the Retry-After each sends. Seconds to run.
+sliding log and the fixed window the bucket model is not) with the Retry-After each
+sends. Seconds to run.
 
 Usage: python bench/policy_grid.py [--ceiling 100] [--seconds 30,300]
 """
@@ -24,7 +25,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cleanup_sandbox.limits import Gcra, Limiter, SlidingLog, TokenBucket
+from cleanup_sandbox.limits import SECOND, FixedWindow, Gcra, Limiter, SlidingLog, TokenBucket
 from supervisor.budget.policy import initial, remembered, step
 from supervisor.budget.policy_state import BudgetState, PolicyConfig, Success, Throttle
 from supervisor.budget.settings import LimitsConfig
@@ -212,6 +213,12 @@ def shapes(ceiling: float, limit: float) -> list[str]:
             runs += [against(make(), ceiling, limit, n, offset) for offset in (0.1, 0.4, 0.8)]
         rows.append(f"- {name}: " + ", ".join(
             f"{r.ratio(limit):.3f} ({r.refused})" for r in runs))
+    # The dialects bench's partner without headers: where its second starts, relative to
+    # the run's first request, decides when each 429 comes.
+    runs = [against(FixedWindow(limit, phase, SECOND), ceiling, limit, n)
+            for phase in (0.0, 0.25, 0.5, 0.75)]
+    rows.append("- fixed window, 1 s, starting 0, 0.25, 0.5 and 0.75 s into the run: "
+                + ", ".join(f"{r.ratio(limit):.3f} ({r.refused})" for r in runs))
     return rows
 
 

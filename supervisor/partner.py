@@ -58,8 +58,11 @@ class Presence(enum.Enum):
 # Past this a value is a Unix time (2001, in seconds or milliseconds: timestamps.py), not
 # seconds left: a delay that long (31 years) is no delay anyone means.
 _EPOCH_FROM = 1e9
-# How far a partner's clock may run ahead of ours for a reset it sends as a Unix time
-# (servers kept by NTP are within tens of milliseconds; a quarter second is generous).
+# How much later than a second away a reset sent as a Unix time may read and still be a
+# per-second window: the partner's clock ahead of ours (servers kept by NTP are within
+# tens of milliseconds) and its rounding (now plus a counter's whole-second TTL, rounded
+# up to the millisecond, is 1.001 s away). The cost: an hourly or daily quota read in its
+# last quarter second is taken for a pace, and spent into for that long.
 EPOCH_SKEW_S = 0.25
 # At most this many policies are read from one field: a partner (or a middlebox) that
 # sends thousands must not make every answer cost thousands of steps.
@@ -130,8 +133,9 @@ def parse_policies(headers: Mapping[str, str], now: float, maximum: float = math
       drafts' ``RateLimit-Policy: 100;w=60`` with ``RateLimit-Remaining/-Reset``.
     * ``X-RateLimit-Limit/-Remaining/-Reset``: one policy with no window. ``-Reset`` is
       seconds until the reset, or a Unix time in seconds (GitHub) or milliseconds when it
-      is that large. No window is sent: a reset within a second makes it a per-second
-      pace, anything further a quota that holds everyone once spent.
+      is that large. No window is sent: a reset within a second (a Unix time allowed
+      ``EPOCH_SKEW_S`` more) makes it a per-second pace, anything further a quota that
+      holds everyone once spent.
 
     Every reset is read by magnitude the same way, and clamped to its policy's window
     where that is known and to ``maximum`` (``partner.max_retry_after_seconds``) always:

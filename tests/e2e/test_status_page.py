@@ -56,11 +56,12 @@ def _browser_missing() -> str | None:
     return None
 
 
-# Every [data-field] of the current run at one instant, as the person sees it.
+# Every [data-field] of the current run at one instant, as the person sees it (none, and no
+# chart, on the login page: a wait there that times out still says what the page showed).
 FIELDS_JS = """
 const out = {};
 document.querySelectorAll('#current [data-field]').forEach(e => { out[e.dataset.field] = e.textContent; });
-out.chart_points = Number(document.getElementById('chart').getAttribute('data-points') || 0);
+out.chart_points = Number(document.getElementById('chart')?.getAttribute('data-points') || 0);
 return out;
 """
 

@@ -408,21 +408,6 @@ def test_refused_on_the_settled_level_as_soon_as_it_resumed_is_a_drop_not_a_clos
     assert s.rate == pytest.approx(stepped * c.decrease_factor * policy.HALVE)
 
 
-def test_refused_twice_a_little_over_a_second_after_each_pause_is_a_drop_too() -> None:
-    # A fixed window of a second spends its quota within its second: a level above it is
-    # refused a second or a little more after each whole-second pause, never sooner.
-    c = cfg(probe_seconds=12.0, recovery_seconds=8.0)
-    s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 0.5), T0)
-    s = step(c, s, Success(), T0 + 16.0)
-    s = step(c, s, Throttle(T0 + 16.0, 1.0), T0 + 16.0)  # a failed probe: settled
-    s = step(c, s, Throttle(T0 + 18.2, 1.0), T0 + 18.2)  # 1.2 s after the pause: once
-    stepped = s.rate
-    assert s.quick == 1
-    s = step(c, s, Throttle(T0 + 20.4, 1.0), T0 + 20.4)  # and again: a cut, not 3 %
-    assert s.last_cut == "lower"
-    assert s.rate == pytest.approx(stepped * c.decrease_factor)
-
-
 def test_a_close_arrival_long_after_the_pause_breaks_the_run_of_quick_refusals() -> None:
     c = cfg(probe_seconds=12.0, recovery_seconds=8.0)
     s = step(c, replace_rate(initial(c), 60.0), Throttle(T0, 0.5), T0)

@@ -77,10 +77,20 @@ def test_x_ratelimit_resetting_within_a_second_in_unix_milliseconds_is_a_pace(
 
 
 def test_x_ratelimit_resetting_later_in_unix_milliseconds_is_a_quota() -> None:
-    # Past the clocks' skew, a reset 1.5 s away is no longer a per-second window.
+    # Past the clocks' skew (0.25 s), a reset 1.3 s away is no longer a per-second window.
     (p,) = parse_policies({"X-RateLimit-Limit": "50", "X-RateLimit-Remaining": "3",
-                           "X-RateLimit-Reset": str(int((NOW + 1.5) * 1000))}, NOW)
+                           "X-RateLimit-Reset": str(int((NOW + 1.3) * 1000))}, NOW)
     assert p.window_s == 86400.0
+
+
+@pytest.mark.parametrize(("read_at", "window"), [(0.8, 1.0), (0.7, 86400.0)])
+def test_x_ratelimit_in_whole_unix_seconds_allows_the_skew_and_a_second(
+        read_at: float, window: float) -> None:
+    # The reset at a whole second 2.2 s away is within a second, rounded up, and the
+    # skew; 2.3 s away it is past both.
+    (p,) = parse_policies({"X-RateLimit-Limit": "50", "X-RateLimit-Remaining": "3",
+                           "X-RateLimit-Reset": str(int(NOW) + 3)}, float(int(NOW)) + read_at)
+    assert p.window_s == window
 
 
 def test_x_ratelimit_with_a_unix_time_is_a_quota_until_then() -> None:

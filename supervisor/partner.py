@@ -23,7 +23,7 @@ from supervisor import metrics
 from supervisor.budget.base import Feedback, Outcome, Policy, RateBudget
 from supervisor.config import PartnerConfig
 from supervisor.httputil import Ignored, parse_retry_after, report_ignored
-from supervisor.timestamps import MILLIS_FROM, epoch_seconds
+from supervisor.timestamps import epoch_seconds
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,15 @@ _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:-]")
 MAX_NAME = 64
 
 
+def _unix_time(value: float) -> bool:
+    """Whether a reset is a Unix time (in seconds or milliseconds), not seconds left."""
+    return value > _EPOCH_FROM
+
+
 def reset_seconds(value: float, now: float) -> float:
     """Seconds until a reset given as seconds left, a Unix time in seconds or one in
     milliseconds, told apart by magnitude; a time already past is 0."""
-    if value > _EPOCH_FROM:
+    if _unix_time(value):
         return max(0.0, epoch_seconds(value) - now)
     return value
 
@@ -188,9 +193,9 @@ def parse_policies(headers: Mapping[str, str], now: float, maximum: float = math
         # window held every worker to its reset on each spent second (1.745 x N/R with
         # no 429 in whole seconds, 1.297 with six in milliseconds).
         within = 1.0
-        if raw is not None and raw > _EPOCH_FROM:
-            whole = raw < MILLIS_FROM and raw == int(raw)
-            within += EPOCH_SKEW_S + (1.0 if whole else 0.0)
+        if raw is not None and _unix_time(raw):
+            in_whole_seconds = epoch_seconds(raw) == raw == int(raw)
+            within += EPOCH_SKEW_S + (1.0 if in_whole_seconds else 0.0)
         window = 1.0 if until is not None and until <= within else 86400.0
         out["x-ratelimit"] = Policy("x-ratelimit", int(limit), window,
                                     None if remaining is None else int(remaining), until)

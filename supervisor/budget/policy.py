@@ -231,12 +231,12 @@ def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
 def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
     if s.blind or s.uncut is not None:
         s = replace(s, blind=0, uncut=None)  # accepted after the backoff: the cut holds
-    if s.quick and now - max(s.paused_until, s.cut_at) >= QUICK_WITHIN_S:
+    if s.quick and _resumed_s(s, now) >= QUICK_WITHIN_S:
         # Accepted past the quick window: the run of quick refusals ends (within it, the
         # requests a fixed window takes before its 429 would end every run).
         s = replace(s, quick=0)
     if (s.first_s and s.last_cut == "edge"
-            and now - max(s.paused_until, s.cut_at) >= FAR_WITHIN_S):
+            and _resumed_s(s, now) >= FAR_WITHIN_S):
         # The edge trim held: the first 429 was a close arrival at the partner's limit,
         # not the top draining its burst, so it measured nothing.
         s = replace(s, first_rate=0.0, first_s=0.0)
@@ -277,7 +277,7 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
     # coming (a pause the partner imposes without saying how long).
     backoff = min(BLIND_MAX_S, BLIND_BASE_S * 2.0 ** s.blind)
     if ev.sent_at >= s.cut_at and not imposed and not closed:
-        quick = 0 <= now - max(s.paused_until, s.cut_at) < QUICK_WITHIN_S
+        quick = 0 <= _resumed_s(s, now) < QUICK_WITHIN_S
         before = s
         pause_s = backoff if ev.retry_after_s is None else ev.retry_after_s
         s = replace(_cut(cfg, s, now, ev.sent_at, min(pause_s, cfg.max_pause_s), _lag(ev)),
@@ -307,6 +307,11 @@ _LEARNT = ("rate", "w_max", "cut_to", "cut_at", "probe_s", "strict", "learnt_at"
            "kept_since", "steps", "step_back_s")
 
 
+def _resumed_s(s: BudgetState, now: float) -> float:
+    """Seconds since requests went out again after the last cut and its pause."""
+    return now - max(s.paused_until, s.cut_at)
+
+
 def _lag(ev: Throttle) -> float:
     return max(0.0, ev.sent_at - ev.paced_at) if ev.paced_at else 0.0
 
@@ -332,7 +337,7 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
     # during a whole-second pause: matched only at the rate cut to, a bucket of one was cut
     # by 0.8 a second for ten seconds.)
     plateau = s.w_max
-    resumed_s = now - max(s.paused_until, s.cut_at)
+    resumed_s = _resumed_s(s, now)
     if (s.last_cut in ("edge", "lower") and resumed_s < FAR_WITHIN_S
             and rate <= plateau * NEAR):
         # Halve, and climb back from underneath: a climb costs no pause, every step down

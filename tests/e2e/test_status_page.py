@@ -37,7 +37,7 @@ WAIT_S = 45.0
 
 try:
     from selenium import webdriver
-    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.chrome.service import Service as DriverService
     from selenium.webdriver.common.by import By
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -86,10 +86,7 @@ class Browser:
     async def until(self, condition: Callable[[WebDriver], Any], what: str,
                     within_s: float = WAIT_S) -> Any:
         def wait() -> Any:
-            # A condition may find an element on the page a form post is replacing, and
-            # read it after it went: that is "not yet", as a missing element is.
-            return WebDriverWait(self.driver, within_s, poll_frequency=0.1,
-                                 ignored_exceptions=(StaleElementReferenceException,)).until(
+            return WebDriverWait(self.driver, within_s, poll_frequency=0.1).until(
                 condition, message=what)
         try:
             return await asyncio.to_thread(wait)
@@ -108,7 +105,7 @@ class Browser:
         page = self.driver.find_element(By.TAG_NAME, "html")
         await self.call(self.driver.find_element(By.CSS_SELECTOR, "#login button").click)
         # The post answers with a new page: until the old one has gone, anything found
-        # is the form just submitted.
+        # is the form just submitted, and goes stale under a condition reading it.
         await self.until(expected_conditions.staleness_of(page), "the login form's answer")
 
     def console_errors(self) -> list[str]:

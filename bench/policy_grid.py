@@ -179,7 +179,8 @@ def against(limiter: Limiter, ceiling: float, limit: float, n: int,
     """``n`` requests paced by the policy against one of the simulator's own limiters
     (``cleanup_sandbox.limits``: a shape the token-bucket model above is not, such as the
     sliding log), each 429 with the ``Retry-After`` it would send: whole seconds, or an
-    HTTP-date (a whole second of a partner clock ``date_offset`` s ahead of ours)."""
+    HTTP-date (a whole second of a partner clock ``date_offset`` s ahead of ours, at
+    least a second away)."""
     c = PolicyConfig.from_limits(LimitsConfig(rate_per_second=ceiling, floor_per_second=0.5))
     s, t, done, refused = initial(c), 0.0, 0, 0
     rates: list[tuple[float, float]] = []
@@ -194,7 +195,9 @@ def against(limiter: Limiter, ceiling: float, limit: float, n: int,
             if date_offset is None:
                 retry_after = float(max(1, math.ceil(wait)))
             else:
-                retry_after = math.ceil(t + date_offset + wait) - (t + date_offset)
+                # As the simulator words it (cleanup_sandbox.headers.retry_after): at
+                # least a second away, rounded up to the partner clock's next second.
+                retry_after = math.ceil(t + date_offset + max(wait, 1.0)) - (t + date_offset)
             s = step(c, s, Throttle(T0 + t, retry_after), T0 + t)
         rates.append((t, s.rate))
     return Run(refused, done, t, s, rates)

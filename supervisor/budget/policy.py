@@ -33,9 +33,12 @@ The policy, and why:
   there, then a convex probe that reaches the ceiling after ``probe_s``. A failed probe
   says the limit lies between the plateau, which held (``held``), and the rate that
   failed: the new plateau is halfway between them (0.97 of the failed rate if that is
-  lower), and the next probe takes twice as long (up to ``max_probe_s``), so a stable
-  limit is probed ever more rarely while a moved one is still found. Throttled on that
-  plateau after it held, it goes halfway down to ``held`` again, strictly paced (with no
+  lower), and the next probe takes twice as long (up to ``max_probe_s``), or longer where
+  the two are close: it reaches the rate that failed no sooner than what it can gain below
+  there repays the pause a 429 costs. So a stable limit is probed ever more rarely while
+  a moved one is still found. A probe refused at the top itself, unmeasured, found the
+  ceiling again (a limit that came back): it is trimmed there as the run's first edge.
+  Throttled on that plateau after it held, it goes halfway down to ``held`` again, strictly paced (with no
   level known to hold, or under a measured limit: strict pacing first, then 3 % steps),
   not by a deep cut, and the next probe is not put off (a close arrival is not a failed
   probe); refused more rarely since it was set than a step down would cost
@@ -365,8 +368,24 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
         held = max(plateau, s.held or 0.0)
         level = max(plateau, min(rate * PROBE_BACK, (held + rate) / 2))
         found = _measured(cfg, s, plateau, rate, sent_at, lag_s)
+        if found is None and rate >= AT_TOP * high:
+            # Refused at the top after climbing all the way back, and not measured: the
+            # limit is the ceiling again (it came back after a drop), and this was a close
+            # arrival there, as a run's first 429 at the top is. Trim it like that edge.
+            # Halfway down to a level that held while the limit was low put a bucket of
+            # one at 60 % of a limit that had come back (2.0 x the changing-limit cell's
+            # ideal in the model, 1.46 now; 1.58 over HTTP, 1.43 - 1.49 now).
+            edge = _settle(cfg, replace(s, strict=True, held=None, estimate=None),
+                           rate * (1.0 - cfg.edge_trim), now, probe_s=cfg.max_probe_s)
+            return replace(edge, last_cut="edge")
         if found is None:
-            return _settle(cfg, replace(s, held=held), level, now)
+            # Not measured (a sliding log or a window has no burst to drain): the limit
+            # is somewhere between the two, and the next probe waits until what it can
+            # gain there repays the 429 it may cost (_repaid_s), or twice as long as this
+            # one, whichever is longer.
+            probe_s = max(2 * s.probe_s, _repaid_s(level, rate, high, pause_s))
+            return _settle(cfg, replace(s, held=held), level, now,
+                           probe_s=min(cfg.max_probe_s, probe_s))
         # Measured: settle just under it, and probe again eight times more slowly (each
         # probe costs a 429, and a limit just over the level settled on is met within
         # a 30 s run by a probe only twice as slow). Measured again where it was, the
@@ -452,6 +471,24 @@ def _measured(cfg: PolicyConfig, s: BudgetState, plateau: float, failed: float,
     return estimate.limit(lambda t: curve(cfg, s, max(s.cut_at, t - lag_s)), start,
                           refused_at, plateau, min(failed, s.first_rate), s.first_rate,
                           s.first_s)
+
+
+def _repaid_s(level: float, failed: float, high: float, pause_s: float) -> float:
+    """The length of a probe from ``level`` towards ``high`` that reaches ``failed`` (the
+    rate a probe was refused at) no sooner than the rate it could gain below there,
+    ``failed - level``, repays a 429's ``pause_s`` of every worker.
+
+    A limit bracketed closely is hardly worth probing: between 48 and 51.2/s (a sliding
+    log of 50/s), the doubled probe crossed the limit again twice in a 30 s run, each time
+    for a 1 - 2 s HTTP-date pause (5 429s, 1.14 x N/R in the model; 1.22 - 1.26 over HTTP).
+    Probing this slowly: 3 429s, 1.07 (1.13 - 1.22 over HTTP). A wide bracket, or a bare 429's
+    0.1 s pause, keeps probing as often as before.
+    """
+    gap = failed - level
+    if gap <= 0 or high <= level:
+        return 0.0
+    # The cubic probe (curve) is at level + (high - level) * x**3 a fraction x of the way.
+    return pause_s * level / gap / math.cbrt(gap / (high - level))
 
 
 def _same_edge(s: BudgetState, rate: float) -> bool:

@@ -1,4 +1,4 @@
-"""The policy against a fixed window it cannot see.
+"""The policy against a fixed window or a sliding log it cannot see.
 
 A window takes its whole quota at once, so at a level above its limit the 429 comes a
 second or a little more after each whole-second pause (the rest of the window paused
@@ -7,7 +7,9 @@ take those for close arrivals and step down 3 % at a time. The rule on the pure 
 machine, then the model: the simulator's own limiter (``cleanup_sandbox.limits.FixedWindow``,
 the dialects bench's partner), R requests in each second counted from the partner's
 start, every 429 with the whole-second ``Retry-After`` it sends, through
-``bench/policy_grid.py``'s ``against``.
+``bench/policy_grid.py``'s ``against``. A sliding log has no burst to drain either, so a
+failed probe measures nothing there: the limit is bracketed, and probed again only when
+that can pay for the 429.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from cleanup_sandbox.limits import SECOND, FixedWindow
-from supervisor.budget.policy import initial, step
+from cleanup_sandbox.limits import SECOND, FixedWindow, SlidingLog
+from supervisor.budget.policy import curve, initial, step
 from supervisor.budget.policy_state import PolicyConfig, Success, Throttle
 from supervisor.budget.settings import LimitsConfig
 
@@ -65,3 +67,49 @@ def test_a_hidden_window_of_a_second_is_found_without_a_ladder_of_small_steps(
     assert run.refused <= 11
     assert run.ratio(50.0) <= 1.25
     assert 0.9 * 50.0 <= run.state.rate <= 1.05 * 50.0
+
+
+def test_a_probe_refused_close_over_what_held_is_not_repeated_until_it_can_pay() -> None:
+    # Halved to 48/s, the climb's probe refused at 51.2/s with nothing measured, with an
+    # HTTP-date pause of 1.3 s. Between the two the most the next probe can gain is
+    # 51.2 - 49.6/s, 3 % of the rate: it repays 1.3 s of every worker's pause after 40 s.
+    c = PolicyConfig.from_limits(LimitsConfig(rate_per_second=100.0, floor_per_second=0.5))
+    s = replace(initial(c), rate=48.0, w_max=48.0, cut_to=48.0, cut_at=T0, probe_s=8.0,
+                last_cut="lower", strict=True)
+    failed_at = T0 + c.recovery_s + 3.0
+    s = replace(s, rate=51.2)
+    s = step(c, s, Throttle(failed_at, 1.3), failed_at)
+    assert s.held == 48.0
+    assert s.estimate is None
+    level = s.rate
+    repaid_s = 1.3 * level / (51.2 - level)
+    # The next probe stays under the rate that failed that long (doubled, 16 s long, it
+    # crossed it again 13 s after the recovery).
+    assert curve(c, s, failed_at + c.recovery_s + repaid_s) < 51.2
+
+
+def test_a_probe_refused_far_over_what_held_comes_back_as_soon_as_before() -> None:
+    # Refused at twice the level that held, the limit may be anywhere up there: the next
+    # probe is only twice as long, as before, so a limit that moved is still found.
+    c = PolicyConfig.from_limits(LimitsConfig(rate_per_second=100.0, floor_per_second=0.5))
+    s = replace(initial(c), rate=25.0, w_max=25.0, cut_to=25.0, cut_at=T0, probe_s=8.0,
+                last_cut="lower", strict=True)
+    s = replace(s, rate=50.0)
+    s = step(c, s, Throttle(T0 + 12.0, 1.0), T0 + 12.0)
+    assert s.probe_s == 16.0
+
+
+@pytest.mark.parametrize("date_offset", [None, 0.1, 0.4, 0.8])
+def test_a_hidden_sliding_log_is_probed_once_it_is_bracketed_closely(
+        date_offset: float | None) -> None:
+    # The sandbox's sliding-1s cell: 50 in any trailing second, hidden under 100/s, each
+    # 429 with a whole-second Retry-After or an HTTP-date (a partner clock ahead of ours).
+    # An edge trim, the halving, the probe that brackets the limit: three 429s,
+    # 1.07 - 1.12 x N/R. Probing twice as slowly each time took two more, each a 1 - 2 s
+    # pause: 1.14 - 1.21.
+    run = against(SlidingLog(50.0, 0.0), ceiling=100.0, limit=50.0, n=1500,
+                  date_offset=date_offset)
+    assert run.done == 1500
+    assert run.refused <= 3
+    assert run.ratio(50.0) <= 1.13
+    assert 0.95 * 50.0 <= run.state.rate <= 50.0

@@ -81,6 +81,11 @@ class BudgetState:
     steps: int = 0
     step_back_s: float = 0.0
     recover_s: float | None = None  # the recovery's length, when not recovery_s
+    # A measured limit on trial: a level between it and the rate that failed is held
+    # until ``trial_until``; refused by then, the partner is the bucket measured and the
+    # level goes to ``trial_back``.
+    trial_until: float = 0.0
+    trial_back: float = 0.0
     # What a 429 without Retry-After cut, as it was: restored if the next request is
     # refused too with nothing accepted between (a storm, not a limit).
     uncut: dict[str, Any] | None = field(default=None, hash=False)

@@ -22,7 +22,7 @@ import pytest
 
 from cleanup_sandbox.limits import SECOND, FixedWindow, SlidingLog
 from supervisor.budget.policy import curve, initial, step
-from supervisor.budget.policy_state import PolicyConfig, Success, Throttle
+from supervisor.budget.policy_state import BudgetState, PolicyConfig, Success, Throttle
 from supervisor.budget.settings import LimitsConfig
 
 # bench/ is a folder of scripts (no package): its directory is on sys.path for the import.
@@ -113,3 +113,48 @@ def test_a_hidden_sliding_log_is_probed_once_it_is_bracketed_closely(
     assert run.refused <= 3
     assert run.ratio(50.0) <= 1.13
     assert 0.95 * 50.0 <= run.state.rate <= 50.0
+
+
+def _measured_far_under(c: PolicyConfig) -> BudgetState:
+    """A first run halved from the top to 48/s after 70 requests at 99/s in 0.7 s, whose
+    probe was refused at 75.7/s 6.5 s later: as a bucket, that is ~50/s."""
+    s = replace(initial(c), rate=99.0, began=T0)
+    s = step(c, s, Throttle(T0 + 0.7, 1.9), T0 + 0.7)  # the first 429: an edge
+    s = step(c, s, Throttle(T0 + 3.3, 1.3), T0 + 3.3)  # at once again: halved
+    assert s.last_cut == "lower"
+    s = replace(s, rate=75.7)
+    return step(c, s, Throttle(T0 + 9.8, 1.8), T0 + 9.8)
+
+
+def test_a_limit_measured_far_under_the_rate_that_failed_is_tried_before_it_is_trusted() -> None:
+    c = PolicyConfig.from_limits(LimitsConfig(rate_per_second=100.0, floor_per_second=0.5))
+    s = _measured_far_under(c)
+    assert s.estimate is not None
+    assert s.estimate < 75.7 / 1.4
+    # Halfway between what was measured and what failed, flat until the trial ends.
+    assert s.rate == pytest.approx((s.estimate + 75.7) / 2)
+    assert s.trial_until > T0 + 9.8 + 1.8
+    assert curve(c, s, s.trial_until) == pytest.approx(s.rate)
+    # It holds past the trial: not the bucket measured. The measurement is dropped, and
+    # the trial level is what held.
+    held = step(c, s, Success(), s.trial_until + 0.01)
+    assert held.estimate is None
+    assert held.held == pytest.approx(s.rate)
+    assert held.trial_until == 0.0
+    # Refused before the trial ends: it is that bucket, the level goes under the estimate.
+    refused = step(c, s, Throttle(s.trial_until - 0.5, 1.0), s.trial_until - 0.5)
+    assert refused.rate == pytest.approx(s.estimate * 0.98)
+    assert refused.trial_until == 0.0
+
+
+@pytest.mark.parametrize("date_offset", [None, 0.1, 0.4, 0.8])
+def test_a_hidden_sliding_log_read_as_a_slower_bucket_is_found_where_it_is(
+        date_offset: float | None) -> None:
+    # A log of 70/s under a ceiling of 100/s: its first overload and the probe's 429 fit
+    # a bucket of 50.6/s, and the run settled at 49.6/s (1.42 - 1.49 x N/R). The trial
+    # holds 63/s past where that bucket would refuse it: 1.20 - 1.26.
+    run = against(SlidingLog(70.0, 0.0), ceiling=100.0, limit=70.0, n=2100,
+                  date_offset=date_offset)
+    assert run.done == 2100
+    assert run.ratio(70.0) <= 1.30
+    assert run.state.rate >= 0.85 * 70.0

@@ -38,14 +38,14 @@ The policy, and why:
   says the limit lies between the plateau, which held (``held``), and the rate that
   failed: the new plateau is halfway between them (0.97 of the failed rate if that is
   lower), and the next probe takes twice as long (up to ``max_probe_s``), or longer where
-  the two are close: it reaches the rate that failed no sooner than what it can gain below
-  there repays the pause a 429 costs. So a stable limit is probed ever more rarely while
-  a moved one is still found. A probe refused at the top itself, unmeasured, found the
-  ceiling again (a limit that came back): it is trimmed there as the run's first edge.
-  Throttled on that plateau after it held, it goes halfway down to ``held`` again, strictly paced (with no
-  level known to hold, or under a measured limit: strict pacing first, then 3 % steps),
-  not by a deep cut, and the next probe is not put off (a close arrival is not a failed
-  probe); refused more rarely since it was set than a step down would cost
+  the two are close: it reaches the rate that failed no sooner than what it can gain
+  below there repays the pause a 429 costs. So a stable limit is probed ever more rarely
+  while a moved one is still found. A probe refused at the top itself, unmeasured, found
+  the ceiling again (a limit that came back): it is trimmed there as the run's first
+  edge. Throttled on that plateau after it held, it goes halfway down to ``held`` again,
+  strictly paced (with no level known to hold, or under a measured limit: strict pacing
+  first, then 3 % steps), not by a deep cut, and the next probe is not put off (a close
+  arrival is not a failed probe); refused more rarely since it was set than a step down would cost
   (:func:`jitter_hold`), that is jitter, and the level is kept; a step down for a sooner
   refusal is stepped back up once the lower level has held as long.
   Halving the gap finds a bucket's limit in four 429s where 3 % steps took seven, each a
@@ -72,7 +72,8 @@ The policy, and why:
 * **Memory**: :func:`remembered` starts a new run from what an earlier one learnt, capped
   by the ceiling and drifting back towards it with ``half_life_s``. It trusts a plateau
   that held (``VERIFIED_AFTER`` recovery periods without a 429) and a level found by
-  halving the gap to one that held, and starts a step under any other. A pause in force
+  halving the gap to one that held, and starts a step under any other (a level on trial
+  is neither: the level its measurement gave is remembered). A pause in force
   is kept, so a restart during a 900 s pause sends nothing before it ends; one ending
   later than ``max_pause_s`` from the restart (saved by a release that did not bound
   pauses, or by a clock that jumped) is dropped.
@@ -178,14 +179,17 @@ def remembered(cfg: PolicyConfig, memory: BudgetState, now: float) -> BudgetStat
     # it, or at the last one that held if that is higher. A plateau verified early and
     # raised since by failed probes above it (each settles no lower than the one before)
     # is out of date: starting a second run there held it at half the limit (2.09).
-    learnt = memory.w_max * PROBE_BACK
+    # Saved during a trial, the trial level is not known to hold: the level the
+    # measurement gave (trial_back) is what it would have settled on.
+    plateau = memory.trial_back if memory.trial_until else memory.w_max
+    learnt = plateau * PROBE_BACK
     if memory.verified is not None:
-        learnt = max(learnt, min(memory.verified, memory.w_max))
-    if memory.held is not None and memory.held <= memory.w_max:
+        learnt = max(learnt, min(memory.verified, plateau))
+    if memory.held is not None and memory.held <= plateau:
         # Found by halving the gap between a level that held and ones refused: this level
         # is the last one not refused, and a step under it would cost 3 % until the
         # next probe, minutes away for a remembered plateau.
-        learnt = memory.w_max
+        learnt = plateau
     age = max(0.0, now - memory.learnt_at)
     drift = 0.5 ** (age / cfg.half_life_s) if cfg.half_life_s > 0 else 0.0
     w_max = cfg.ceiling - (cfg.ceiling - min(learnt, cfg.ceiling)) * drift
@@ -254,11 +258,7 @@ def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
         # The edge trim held: the first 429 was a close arrival at the partner's limit,
         # not the top draining its burst, so it measured nothing.
         s = replace(s, first_rate=0.0, first_s=0.0)
-    if s.trial_until and now > s.trial_until:
-        # The trial level held longer than the bucket measured could have let it: the
-        # partner is not that bucket (a window, a log), and the measurement is void.
-        # The limit lies between the trial level, which held, and the rate that failed.
-        s = replace(s, trial_until=0.0, held=s.w_max, estimate=None)
+    s = _trial_held(s, now)
     if (s.w_max is not None and s.verified != s.w_max
             and now - s.cut_at >= VERIFIED_AFTER * cfg.recovery_s):
         s = replace(s, verified=s.w_max)
@@ -339,6 +339,10 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
          pause_s: float, lag_s: float = 0.0) -> BudgetState:
     rate = s.rate
     high = top(cfg, s)
+    if s.trial_until and now <= s.trial_until:
+        # The trial level refused in time: the partner is the bucket that was measured.
+        return _settle(cfg, s, s.trial_back, now, probe_s=s.probe_s)
+    s = _trial_held(s, now)
     if s.w_max is None:
         if rate >= AT_TOP * high and not s.strict:
             # An edge: the partner's limit is about the ceiling and two of our requests
@@ -357,11 +361,7 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
     # by 0.8 a second for ten seconds.)
     plateau = s.w_max
     resumed_s = _resumed_s(s, now)
-    if s.trial_until and now <= s.trial_until:
-        # The trial level refused in time: the partner is the bucket that was measured.
-        return _settle(cfg, replace(s, trial_until=0.0), s.trial_back, now,
-                       probe_s=s.probe_s)
-    if (s.last_cut in ("edge", "lower") and resumed_s < FAR_WITHIN_S
+    if (s.last_cut in ("edge", "top", "lower") and resumed_s < FAR_WITHIN_S
             and rate <= plateau * NEAR):
         # Halve, and climb back from underneath: a climb costs no pause, every step down
         # from above costs one. Pacing stays strict after a refuted edge: strictness costs
@@ -370,7 +370,7 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
         # of its limit; tolerant again, a first run there was refused at once at half the
         # ceiling, halved again to a quarter and took 1.63 - 1.76 x N/R.
         low = _lower(cfg, s, rate * HALVE, rate * HALVE, now)
-        if s.last_cut == "edge":
+        if s.last_cut in ("edge", "top"):
             # The top refused twice at once: the limit is somewhere under it, and half is
             # a floor, not a level that held. Climb at once: the probe's 429 measures the
             # limit (_measured), where holding half for a recovery period first cost a
@@ -395,9 +395,13 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
             # Halfway down to a level that held while the limit was low put a bucket of
             # one at 60 % of a limit that had come back (2.0 x the changing-limit cell's
             # ideal in the model, 1.46 now; 1.58 over HTTP, 1.43 - 1.49 now).
+            # (Not "edge": that one's holding says the run's first 429 measured nothing,
+            # while the partner's burst, if the first overload measured one, is still its
+            # own.) A bucket whose limit is just under the top and whose burst let the
+            # probe reach it is refused again at once, and halved as after an edge.
             edge = _settle(cfg, replace(s, strict=True, held=None, estimate=None),
                            rate * (1.0 - cfg.edge_trim), now, probe_s=cfg.max_probe_s)
-            return replace(edge, last_cut="edge")
+            return replace(edge, last_cut="top")
         if found is None:
             # Not measured (a sliding log or a window has no burst to drain): the limit
             # is somewhere between the two, and the next probe waits until what it can
@@ -413,6 +417,7 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
         level = max(plateau, min(rate * PROBE_BACK, found * MEASURED_BACK))
         probe_s = cfg.max_probe_s if _same_edge(s, found) else s.probe_s * MEASURED_PROBE
         trial = (found + rate) / 2
+        # (found < min(rate, first_rate): estimate.limit's bracket; no division by zero.)
         hold_s = TRIAL_HOLD * (s.first_rate - found) * s.first_s / (trial - found)
         if (rate > TRIAL_OVER * found and not _same_edge(s, found)
                 and pause_s + hold_s <= cfg.recovery_s):
@@ -524,6 +529,18 @@ def _repaid_s(level: float, failed: float, high: float, pause_s: float) -> float
     return pause_s * level / gap / math.cbrt(gap / (high - level))
 
 
+def _trial_held(s: BudgetState, now: float) -> BudgetState:
+    """``s`` with a trial that has run its course without a 429 concluded: the trial
+    level held longer than the bucket measured could have let it through, so the partner
+    is not that bucket (a window, a log) and the measurement is void; the limit lies
+    between the trial level, which held, and the rate that failed. The next probe keeps
+    the measurement's slower pace: in the model a 16 s one found a log of 70/s sooner over
+    300 s (1.085 -> 1.051) and cost a 30 s run a 429 more (1.20 - 1.26 -> 1.21 - 1.27)."""
+    if not s.trial_until or now <= s.trial_until:
+        return s
+    return replace(s, trial_until=0.0, trial_back=0.0, held=s.w_max, estimate=None)
+
+
 def _same_edge(s: BudgetState, rate: float) -> bool:
     """Whether ``rate`` is where the edge was last found (measured or refused)."""
     return s.estimate is not None and abs(rate - s.estimate) <= (NEAR - 1.0) * s.estimate
@@ -539,7 +556,8 @@ def _settle(cfg: PolicyConfig, s: BudgetState, w_max: float, now: float,
     w_max = max(cfg.floor, w_max)
     probe_s = min(cfg.max_probe_s, s.probe_s * 2) if probe_s is None else probe_s
     return replace(s, rate=w_max, w_max=w_max, cut_to=w_max, cut_at=now, learnt_at=now,
-                   probe_s=probe_s, last_cut="probe", recover_s=None, steps=0)
+                   probe_s=probe_s, last_cut="probe", recover_s=None, steps=0,
+                   trial_until=0.0, trial_back=0.0)
 
 
 def _lower(cfg: PolicyConfig, s: BudgetState, cut_to: float, w_max: float,
@@ -548,6 +566,7 @@ def _lower(cfg: PolicyConfig, s: BudgetState, cut_to: float, w_max: float,
     cut_to = max(cfg.floor, cut_to)
     return replace(s, w_max=max(cut_to, w_max), cut_to=cut_to, cut_at=now, rate=cut_to,
                    probe_s=cfg.probe_s, learnt_at=now, last_cut="lower", held=None,
+                   trial_until=0.0, trial_back=0.0,
                    estimate=None, recover_s=None, steps=0)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from cleanup_sandbox.limits import SECOND, FixedWindow, SlidingLog
-from supervisor.budget.policy import curve, initial, step
+from supervisor.budget.policy import curve, initial, remembered, step
 from supervisor.budget.policy_state import BudgetState, PolicyConfig, Success, Throttle
 from supervisor.budget.settings import LimitsConfig
 
@@ -84,8 +84,9 @@ def test_a_probe_refused_close_over_what_held_is_not_repeated_until_it_can_pay()
     level = s.rate
     repaid_s = 1.3 * level / (51.2 - level)
     # The next probe stays under the rate that failed that long (doubled, 16 s long, it
-    # crossed it again 13 s after the recovery).
-    assert curve(c, s, failed_at + c.recovery_s + repaid_s) < 51.2
+    # crossed it again 13 s after the recovery). (Checked a little before the moment it
+    # reaches it: at that moment the comparison is decided by rounding.)
+    assert curve(c, s, failed_at + c.recovery_s + 0.95 * repaid_s) < 51.2
 
 
 def test_a_probe_refused_far_over_what_held_comes_back_as_soon_as_before() -> None:
@@ -158,3 +159,29 @@ def test_a_hidden_sliding_log_read_as_a_slower_bucket_is_found_where_it_is(
     assert run.done == 2100
     assert run.ratio(70.0) <= 1.30
     assert run.state.rate >= 0.85 * 70.0
+
+
+def test_a_restart_during_a_trial_remembers_the_measured_level_not_the_trial() -> None:
+    c = PolicyConfig.from_limits(LimitsConfig(rate_per_second=100.0, floor_per_second=0.5))
+    s = _measured_far_under(c)
+    assert s.trial_until
+    again = remembered(c, s, s.trial_until - 1.0)
+    # Not the trial level, never shown to hold: where the measurement would have settled.
+    assert again.rate == pytest.approx(s.trial_back, rel=0.01)
+    assert again.trial_until == 0.0
+
+
+def test_a_refusal_after_the_trial_has_run_its_course_ends_it() -> None:
+    # No request accepted after the trial's end before the next 429 (a shared row misses
+    # successes while others write it): the trial held all the same, and it is over.
+    c = PolicyConfig.from_limits(LimitsConfig(rate_per_second=100.0, floor_per_second=0.5))
+    s = _measured_far_under(c)
+    trial = s.rate
+    later = s.trial_until + 2.0
+    s = step(c, s, Throttle(later, 1.0), later)
+    assert s.trial_until == 0.0
+    assert s.trial_back == 0.0
+    assert s.estimate is None
+    assert s.rate < trial
+    # A later success does not conclude a trial that is over.
+    assert step(c, s, Success(), later + 5.0).held == s.held

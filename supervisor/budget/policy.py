@@ -45,9 +45,9 @@ The policy, and why:
   edge. Throttled on that plateau after it held, it goes halfway down to ``held`` again,
   strictly paced (with no level known to hold, or under a measured limit: strict pacing
   first, then 3 % steps), not by a deep cut, and the next probe is not put off (a close
-  arrival is not a failed probe); refused more rarely since it was set than a step down would cost
-  (:func:`jitter_hold`), that is jitter, and the level is kept; a step down for a sooner
-  refusal is stepped back up once the lower level has held as long.
+  arrival is not a failed probe); refused more rarely since it was set than a step down
+  would cost (:func:`jitter_hold`), that is jitter, and the level is kept; a step down for
+  a sooner refusal is stepped back up once the lower level has held as long.
   Halving the gap finds a bucket's limit in four 429s where 3 % steps took seven, each a
   whole-second ``Retry-After``; a probe refused just over its plateau keeps the plateau,
   and refused where the edge was last found (measured or refused), the edge has not
@@ -347,12 +347,12 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
         if rate >= AT_TOP * high and not s.strict:
             # An edge: the partner's limit is about the ceiling and two of our requests
             # came too close together for it. Trim, pace strictly, hardly ever re-probe.
-            edge = _settle(cfg, replace(s, strict=True), rate * (1.0 - cfg.edge_trim), now)
+            edge = _trim_edge(cfg, s, now, "edge")
             if s.began and not s.last_cut and 0 < sent_at - s.began <= FIRST_WITHIN_S:
                 # The run's first 429, soon after the start at the top: what the partner
                 # took until then was its burst plus its rate over that time.
                 edge = replace(edge, first_rate=rate, first_s=sent_at - s.began)
-            return replace(edge, probe_s=cfg.max_probe_s, last_cut="edge")
+            return edge
         return _lower(cfg, s, rate * cfg.decrease_factor, rate * PLATEAU, now)
     # Refused again within a second of resuming, on the way back from the rate just cut
     # to (or right after an edge trim): the partner's burst drained at once, so the limit
@@ -389,19 +389,14 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
         level = max(plateau, min(rate * PROBE_BACK, (held + rate) / 2))
         found = _measured(cfg, s, plateau, rate, sent_at, lag_s)
         if found is None and rate >= AT_TOP * high:
-            # Refused at the top after climbing all the way back, and not measured: the
-            # limit is the ceiling again (it came back after a drop), and this was a close
-            # arrival there, as a run's first 429 at the top is. Trim it like that edge.
-            # Halfway down to a level that held while the limit was low put a bucket of
-            # one at 60 % of a limit that had come back (2.0 x the changing-limit cell's
-            # ideal in the model, 1.46 now; 1.58 over HTTP, 1.43 - 1.49 now).
-            # (Not "edge": that one's holding says the run's first 429 measured nothing,
-            # while the partner's burst, if the first overload measured one, is still its
-            # own.) A bucket whose limit is just under the top and whose burst let the
-            # probe reach it is refused again at once, and halved as after an edge.
-            edge = _settle(cfg, replace(s, strict=True, held=None, estimate=None),
-                           rate * (1.0 - cfg.edge_trim), now, probe_s=cfg.max_probe_s)
-            return replace(edge, last_cut="top")
+            # Refused at the top itself after climbing all the way back, and not
+            # measured: the limit is the ceiling again (it came back after a drop), and
+            # this was a close arrival there. Trimmed like the run's first edge; halfway
+            # down to a level that held while the limit was low put a bucket of one at
+            # 60 % of a limit back at R (1.58 x over HTTP, 1.43 - 1.49 now). Refused
+            # again at once, it is halved as after that edge; labelled "top", not "edge",
+            # so its holding keeps the burst the run's first overload measured.
+            return _trim_edge(cfg, replace(s, held=None, estimate=None), now, "top")
         if found is None:
             # Not measured (a sliding log or a window has no burst to drain): the limit
             # is somewhere between the two, and the next probe waits until what it can
@@ -415,23 +410,24 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
         # a 30 s run by a probe only twice as slow). Measured again where it was, the
         # edge has not moved: no probing for the longest probe.
         level = max(plateau, min(rate * PROBE_BACK, found * MEASURED_BACK))
-        probe_s = cfg.max_probe_s if _same_edge(s, found) else s.probe_s * MEASURED_PROBE
-        trial = (found + rate) / 2
-        # (found < min(rate, first_rate): estimate.limit's bracket; no division by zero.)
-        hold_s = TRIAL_HOLD * (s.first_rate - found) * s.first_s / (trial - found)
-        if (rate > TRIAL_OVER * found and not _same_edge(s, found)
-                and pause_s + hold_s <= cfg.recovery_s):
+        same = _same_edge(s, found)
+        probe_s = min(cfg.max_probe_s,
+                      cfg.max_probe_s if same else s.probe_s * MEASURED_PROBE)
+        measured = replace(s, held=held, estimate=found)
+        if rate > TRIAL_OVER * found and not same:
             # Far under what failed: try halfway first, flat until the bucket measured
             # would have refused it (the curve's recovery). Refused in time, it is that
             # bucket, and the level goes where it would have; held, it is not
-            # (_recover). A bucket pays a 429 for the trial where its probe overshot
+            # (_trial_held). A bucket pays a 429 for the trial where its probe overshot
             # that far: three of the model's grid, limits at 10 - 35 % of the ceiling,
             # 0.024 - 0.031 slower (its mean 1.146 -> 1.148); the log 1.20 - 1.26.
-            tried = _settle(cfg, replace(s, held=held, estimate=found), trial, now,
-                            probe_s=min(cfg.max_probe_s, probe_s))
-            return replace(tried, trial_until=now + pause_s + hold_s, trial_back=level)
-        return _settle(cfg, replace(s, held=held, estimate=found), level, now,
-                       probe_s=min(cfg.max_probe_s, probe_s))
+            # (found < min(rate, first_rate), estimate.limit's bracket: no zero here.)
+            trial = (found + rate) / 2
+            hold_s = TRIAL_HOLD * (s.first_rate - found) * s.first_s / (trial - found)
+            if pause_s + hold_s <= cfg.recovery_s:
+                return replace(_settle(cfg, measured, trial, now, probe_s=probe_s),
+                               trial_until=now + pause_s + hold_s, trial_back=level)
+        return _settle(cfg, measured, level, now, probe_s=probe_s)
     if rate > plateau * JUST_OVER and now - s.cut_at >= _recovery_s(cfg, s):
         # The probe, refused just over the plateau that held through the recovery: the
         # limit is right there, so the plateau is kept (stepping down halfway to an older
@@ -548,6 +544,14 @@ def _same_edge(s: BudgetState, rate: float) -> bool:
 
 def _recovery_s(cfg: PolicyConfig, s: BudgetState) -> float:
     return cfg.recovery_s if s.recover_s is None else s.recover_s
+
+
+def _trim_edge(cfg: PolicyConfig, s: BudgetState, now: float, label: str) -> BudgetState:
+    """A 429 at the top taken for a close arrival at a limit right there: trim the rate
+    by ``edge_trim``, pace strictly, and hardly ever probe again."""
+    trimmed = _settle(cfg, replace(s, strict=True), s.rate * (1.0 - cfg.edge_trim), now,
+                      probe_s=cfg.max_probe_s)
+    return replace(trimmed, last_cut=label)
 
 
 def _settle(cfg: PolicyConfig, s: BudgetState, w_max: float, now: float,

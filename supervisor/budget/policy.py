@@ -139,10 +139,13 @@ JITTER_MIN_HELD = 100.0
 AT_TOP = 0.98
 # A 429 without Retry-After: pause everyone this long, doubling per 429 in a row.
 BLIND_BASE_S = 0.1
-# ...up to this: a partner closed for a while without saying how long is probed by one
-# request at most this often, so a run resumes at most this long after it reopens (a
-# backoff that kept doubling overshot a 3 s storm by 3 s).
-BLIND_MAX_S = 0.5
+# ...up to this, or this share of the time the partner has been closed if longer: a
+# partner closed without saying how long is probed by one request at a time, so a run
+# resumes at most that long after it reopens. A backoff that kept doubling overshot a 3 s
+# storm by 3 s; a fixed 0.5 s, by 0.22 s a storm (1.064 x N/R over three; 0.25 s: 1.04 in
+# the model), and probed an hour-long closure twice a second throughout.
+BLIND_MAX_S = 0.25
+BLIND_SHARE = 0.1
 
 
 def top(cfg: PolicyConfig, s: BudgetState) -> float:
@@ -227,7 +230,8 @@ def step(cfg: PolicyConfig, s: BudgetState, event: Event, now: float) -> BudgetS
 def _resume(cfg: PolicyConfig, s: BudgetState, ev: Resume, now: float) -> BudgetState:
     if ev.forget_limit:
         return replace(initial(cfg), resumed_at=now)
-    return replace(s, paused_until=0.0, pause_reason="", blind=0, resumed_at=now, uncut=None)
+    return replace(s, paused_until=0.0, pause_reason="", blind=0, blind_since=0.0,
+                   resumed_at=now, uncut=None)
 
 
 def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
@@ -248,7 +252,7 @@ def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
 
 def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
     if s.blind or s.uncut is not None:
-        s = replace(s, blind=0, uncut=None)  # accepted after the backoff: the cut holds
+        s = replace(s, blind=0, blind_since=0.0, uncut=None)  # accepted: the cut holds
     if s.quick and _resumed_s(s, now) >= QUICK_WITHIN_S:
         # Accepted past the quick window: the run of quick refusals ends (within it, the
         # requests a fixed window takes before its 429 would end every run).
@@ -294,7 +298,11 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
         s = _undo(cfg, s)
     # No Retry-After: everyone backs off on our own clock, doubling while the 429s keep
     # coming (a pause the partner imposes without saying how long).
-    backoff = min(BLIND_MAX_S, BLIND_BASE_S * 2.0 ** s.blind)
+    # (The exponent bounded: 2.0 ** 1024 overflows, which a fixed cap met 8.5 min into a
+    # closure.)
+    closed_s = now - s.blind_since if s.blind else 0.0
+    backoff = min(BLIND_BASE_S * 2.0 ** min(s.blind, 64),
+                  max(BLIND_MAX_S, BLIND_SHARE * closed_s))
     if ev.sent_at >= s.cut_at and not imposed and not closed:
         quick = 0 <= _resumed_s(s, now) < QUICK_WITHIN_S
         before = s
@@ -306,9 +314,9 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
     if ev.retry_after_s is not None:
         if ev.retry_after_s > 0:
             s = _pause(cfg, s, now + ev.retry_after_s, "retry-after", now)
-        return replace(s, blind=0, uncut=None)
+        return replace(s, blind=0, blind_since=0.0, uncut=None)
     return replace(_pause(cfg, s, now + backoff, "429 without retry-after", now),
-                   blind=s.blind + 1)
+                   blind=s.blind + 1, blind_since=s.blind_since if s.blind else now)
 
 
 def _undo(cfg: PolicyConfig, s: BudgetState) -> BudgetState:

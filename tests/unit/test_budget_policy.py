@@ -352,6 +352,27 @@ def test_429s_without_retry_after_and_nothing_accepted_back_off_without_cutting_
     assert pauses[-1] == pytest.approx(policy.BLIND_MAX_S)
 
 
+def test_a_long_closure_without_retry_after_is_probed_ever_more_rarely_and_never_fails() -> None:
+    # An hour closed without a word: each probe waits at most a tenth of the time closed
+    # so far (or BLIND_MAX_S), so the run resumes within a tenth of the closure after it
+    # reopens, and the probes thin out. 2.0 ** 1024 overflowed 8.5 minutes into one.
+    c = PolicyConfig.from_limits(LimitsConfig(), max_pause_s=900.0)
+    s = step(c, initial(c), Throttle(T0 - 0.01, None), T0)
+    start, rate = T0, initial(c).rate
+    probes = 0
+    while s.paused_until < T0 + 3600.0:
+        now = s.paused_until
+        s = step(c, s, Throttle(now, None), now)
+        probes += 1
+        closed_s = now - start
+        assert s.paused_until - now <= max(policy.BLIND_MAX_S, policy.BLIND_SHARE * closed_s) + 1e-6
+        assert s.rate == rate  # a closure, not a lower limit: the first cut is undone
+    assert s.paused_until - T0 >= 3600.0
+    assert s.paused_until - s.blind_since > 1000.0
+    assert probes < 150  # a fixed 0.5 s: 7,200
+    assert step(c, s, Success(), s.paused_until).blind_since == 0.0
+
+
 def test_no_pause_ends_later_than_the_longest_pause_after_it_began() -> None:
     c = PolicyConfig.from_limits(LimitsConfig(), max_pause_s=120.0)
     s = step(c, initial(c), Pause(T0 + 1.8e12, "quota x-ratelimit exhausted"), T0)

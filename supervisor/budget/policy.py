@@ -84,7 +84,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from supervisor.budget import estimate
+from supervisor.budget import estimate, waits
 from supervisor.budget.policy_state import (
     Announce,
     BudgetState,
@@ -137,15 +137,6 @@ VERIFIED_AFTER = 2.0
 JITTER_MIN_HELD = 100.0
 # "At the top": pacing within this fraction of the highest rate allowed.
 AT_TOP = 0.98
-# A 429 without Retry-After: pause everyone this long, doubling per 429 in a row.
-BLIND_BASE_S = 0.1
-# ...up to this, or this share of the time the partner has been closed if longer: a
-# partner closed without saying how long is probed by one request at a time, so a run
-# resumes at most that long after it reopens. A backoff that kept doubling overshot a 3 s
-# storm by 3 s; a fixed 0.5 s, by 0.22 s a storm (1.064 x N/R over three; 0.25 s: 1.04 in
-# the model), and probed an hour-long closure twice a second throughout.
-BLIND_MAX_S = 0.25
-BLIND_SHARE = 0.1
 
 
 def top(cfg: PolicyConfig, s: BudgetState) -> float:
@@ -298,11 +289,7 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
         s = _undo(cfg, s)
     # No Retry-After: everyone backs off on our own clock, doubling while the 429s keep
     # coming (a pause the partner imposes without saying how long).
-    # (The exponent bounded: 2.0 ** 1024 overflows, which a fixed cap met 8.5 min into a
-    # closure.)
-    closed_s = now - s.blind_since if s.blind else 0.0
-    backoff = min(BLIND_BASE_S * 2.0 ** min(s.blind, 64),
-                  max(BLIND_MAX_S, BLIND_SHARE * closed_s))
+    backoff = waits.blind_backoff(s.blind, now - s.blind_since if s.blind else 0.0)
     if ev.sent_at >= s.cut_at and not imposed and not closed:
         quick = 0 <= _resumed_s(s, now) < QUICK_WITHIN_S
         before = s
@@ -408,9 +395,9 @@ def _cut(cfg: PolicyConfig, s: BudgetState, now: float, sent_at: float,
         if found is None:
             # Not measured (a sliding log or a window has no burst to drain): the limit
             # is somewhere between the two, and the next probe waits until what it can
-            # gain there repays the 429 it may cost (_repaid_s), or twice as long as this
+            # gain there repays the 429 it may cost (waits.repaid_s), or twice as long as this
             # one, whichever is longer.
-            probe_s = max(2 * s.probe_s, _repaid_s(level, rate, high, pause_s))
+            probe_s = max(2 * s.probe_s, waits.repaid_s(level, rate, high, pause_s))
             return _settle(cfg, replace(s, held=held), level, now,
                            probe_s=min(cfg.max_probe_s, probe_s))
         # Measured: settle just under it, and probe again eight times more slowly (each
@@ -513,24 +500,6 @@ def _measured(cfg: PolicyConfig, s: BudgetState, plateau: float, failed: float,
     return estimate.limit(lambda t: curve(cfg, s, max(s.cut_at, t - lag_s)), start,
                           refused_at, plateau, min(failed, s.first_rate), s.first_rate,
                           s.first_s)
-
-
-def _repaid_s(level: float, failed: float, high: float, pause_s: float) -> float:
-    """The length of a probe from ``level`` towards ``high`` that reaches ``failed`` (the
-    rate a probe was refused at) no sooner than the rate it could gain below there,
-    ``failed - level``, repays a 429's ``pause_s`` of every worker.
-
-    A limit bracketed closely is hardly worth probing: between 48 and 51.2/s (a sliding
-    log of 50/s), the doubled probe crossed the limit again twice in a 30 s run, each time
-    for a 1 - 2 s HTTP-date pause (5 429s, 1.14 x N/R in the model; 1.22 - 1.26 over HTTP).
-    Probing this slowly: 3 429s, 1.07 (1.13 - 1.22 over HTTP). A wide bracket, or a bare 429's
-    0.1 s pause, keeps probing as often as before.
-    """
-    gap = failed - level
-    if gap <= 0 or high <= level:
-        return 0.0
-    # The cubic probe (curve) is at level + (high - level) * x**3 a fraction x of the way.
-    return pause_s * level / gap / math.cbrt(gap / (high - level))
 
 
 def _trial_held(s: BudgetState, now: float) -> BudgetState:

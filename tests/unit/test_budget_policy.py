@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.budget import policy
+from supervisor.budget import policy, waits
 from supervisor.budget.policy import curve, initial, remembered, step
 from supervisor.budget.policy_state import (
     Announce,
@@ -62,9 +62,9 @@ def test_a_429_below_the_top_cuts_by_the_decrease_factor() -> None:
     assert s.rate == pytest.approx(48.0)
     assert s.w_max == pytest.approx(60.0 * policy.PLATEAU)
     # No Retry-After: our own backoff, doubling while the 429s keep coming.
-    assert s.paused_until == pytest.approx(T0 + policy.BLIND_BASE_S)
+    assert s.paused_until == pytest.approx(T0 + waits.BLIND_BASE_S)
     s = step(c, s, Throttle(T0 - 0.01, None), T0 + 0.2)
-    assert s.paused_until == pytest.approx(T0 + 0.2 + 2 * policy.BLIND_BASE_S)
+    assert s.paused_until == pytest.approx(T0 + 0.2 + 2 * waits.BLIND_BASE_S)
     assert step(c, s, Success(), T0 + 1).blind == 0
 
 
@@ -347,9 +347,9 @@ def test_429s_without_retry_after_and_nothing_accepted_back_off_without_cutting_
         assert s.rate == 60.0
         pauses.append(s.paused_until - (now + 0.001))
     # Growing, then one probe every BLIND_MAX_S: never far past the end of the storm.
-    assert pauses[0] == pytest.approx(policy.BLIND_BASE_S * 2)
+    assert pauses[0] == pytest.approx(waits.BLIND_BASE_S * 2)
     assert pauses[1] > pauses[0]
-    assert pauses[-1] == pytest.approx(policy.BLIND_MAX_S)
+    assert pauses[-1] == pytest.approx(waits.BLIND_MAX_S)
 
 
 def test_a_long_closure_without_retry_after_is_probed_ever_more_rarely_and_never_fails() -> None:
@@ -365,7 +365,7 @@ def test_a_long_closure_without_retry_after_is_probed_ever_more_rarely_and_never
         s = step(c, s, Throttle(now, None), now)
         probes += 1
         closed_s = now - start
-        assert s.paused_until - now <= max(policy.BLIND_MAX_S, policy.BLIND_SHARE * closed_s) + 1e-6
+        assert s.paused_until - now <= max(waits.BLIND_MAX_S, waits.BLIND_SHARE * closed_s) + 1e-6
         assert s.rate == rate  # a closure, not a lower limit: the first cut is undone
     assert s.paused_until - T0 >= 3600.0
     assert s.paused_until - s.blind_since > 1000.0
@@ -579,7 +579,7 @@ def test_refusals_kept_as_jitter_are_counted_on_average_since_the_level_was_set(
     c = cfg(rate_per_second=40.0, probe_seconds=12.0, recovery_seconds=8.0)
     s = settled_strictly(c, None)
     level, since = s.rate, T0 + 30.0
-    hold = policy.jitter_hold(level, policy.BLIND_BASE_S)
+    hold = policy.jitter_hold(level, waits.BLIND_BASE_S)
     for requests, kept in ((1.5, True), (2.1, True), (2.5, False)):  # x hold, since set
         at = since + requests * hold / level
         s = step(c, s, Success(), at - 0.01)

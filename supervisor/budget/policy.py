@@ -59,8 +59,9 @@ The policy, and why:
 * **One cut per episode**: a 429 for a request granted before the last cut was sent at
   the old rate and is already accounted for.
 * **Retry-After pauses everyone** until then (the caller applies it to every worker); a
-  429 without one pauses everyone for our own backoff, 0.1 s doubling per 429 in a row up
-  to 0.5 s; the first request after it leaves alone (the pacer is emptied: the next one
+  429 without one pauses everyone for our own backoff (:mod:`supervisor.budget.waits`),
+  0.1 s doubling per 429 in a row up to 0.25 s, or a tenth of the time the partner has
+  been closed; the first request after it leaves alone (the pacer is emptied: the next one
   waits an interval, by when the first one's 429 is usually back); refused again
   with nothing accepted between, the partner is closed (a storm), not slower, and the cut
   the first 429 made is undone. A pause of ``long_pause_s`` or more (0 = never) is the

@@ -222,8 +222,7 @@ def step(cfg: PolicyConfig, s: BudgetState, event: Event, now: float) -> BudgetS
 def _resume(cfg: PolicyConfig, s: BudgetState, ev: Resume, now: float) -> BudgetState:
     if ev.forget_limit:
         return replace(initial(cfg), resumed_at=now)
-    return replace(s, paused_until=0.0, pause_reason="", blind=0, blind_since=0.0,
-                   resumed_at=now, uncut=None)
+    return replace(s, paused_until=0.0, pause_reason="", blind=0, resumed_at=now, uncut=None)
 
 
 def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
@@ -244,7 +243,7 @@ def curve(cfg: PolicyConfig, s: BudgetState, now: float) -> float:
 
 def _recover(cfg: PolicyConfig, s: BudgetState, now: float) -> BudgetState:
     if s.blind or s.uncut is not None:
-        s = replace(s, blind=0, blind_since=0.0, uncut=None)  # accepted: the cut holds
+        s = replace(s, blind=0, uncut=None)  # accepted after the backoff: the cut holds
     if s.quick and _resumed_s(s, now) >= QUICK_WITHIN_S:
         # Accepted past the quick window: the run of quick refusals ends (within it, the
         # requests a fixed window takes before its 429 would end every run).
@@ -302,7 +301,7 @@ def _throttle(cfg: PolicyConfig, s: BudgetState, ev: Throttle, now: float) -> Bu
     if ev.retry_after_s is not None:
         if ev.retry_after_s > 0:
             s = _pause(cfg, s, now + ev.retry_after_s, "retry-after", now)
-        return replace(s, blind=0, blind_since=0.0, uncut=None)
+        return replace(s, blind=0, uncut=None)
     return replace(_pause(cfg, s, now + backoff, "429 without retry-after", now),
                    blind=s.blind + 1, blind_since=s.blind_since if s.blind else now)
 

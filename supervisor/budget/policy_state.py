@@ -58,7 +58,7 @@ class BudgetState:
     pause_reason: str = ""
     learnt_at: float = 0.0  # when w_max was last confirmed or lowered
     blind: int = 0  # 429s in a row without a Retry-After: our own backoff doubles
-    blind_since: float = 0.0  # when the first of them came
+    blind_since: float = 0.0  # when the first of them came (read only while blind > 0)
     last_cut: str = ""  # edge | top | lower | probe: what the last 429 was taken for
     verified: float | None = None  # a plateau that held for 2 x recovery_s: memory trusts it
     resumed_at: float = 0.0  # when an operator last lifted the pause: older holds are void

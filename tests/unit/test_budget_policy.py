@@ -370,7 +370,10 @@ def test_a_long_closure_without_retry_after_is_probed_ever_more_rarely_and_never
     assert s.paused_until - T0 >= 3600.0
     assert s.paused_until - s.blind_since > 1000.0
     assert probes < 150  # a fixed 0.5 s: 7,200
-    assert step(c, s, Success(), s.paused_until).blind_since == 0.0
+    # Accepted: the next closure's backoff starts again from its base.
+    again = s.paused_until + 1.0
+    s = step(c, step(c, s, Success(), s.paused_until), Throttle(again, None), again)
+    assert s.paused_until - again == pytest.approx(waits.BLIND_BASE_S)
 
 
 def test_no_pause_ends_later_than_the_longest_pause_after_it_began() -> None:

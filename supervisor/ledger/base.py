@@ -60,6 +60,14 @@ class BatchRecords(Protocol):
     async def open_jobs(self) -> list[Batch]:
         """Batches submitted as jobs (or being submitted) and not closed, oldest first."""
 
+    async def take_batch(self, batch_id: str, owner: str,
+                         busy_s: float) -> list[BatchMember] | None:
+        """Hold, for ``owner`` and ``busy_s``, every operation whose attempt ``batch_id``
+        carried and left open: all of them in one commit, or none. Its members by
+        position; None when the batch is closed or another owner (a delivery, or a peer
+        sending it again) holds one of them. One sender of a batch again, across
+        replicas."""
+
 
 class Ledger(BatchRecords, Protocol):
     """Truth about runs and operations. Every write is durable when the call returns."""

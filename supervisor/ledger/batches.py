@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+from supervisor.errors import IllegalTransition, OperationBusy
 from supervisor.ledger.driver import Row, Statements, Tx
 from supervisor.model import Batch, BatchMember
+from supervisor.states import OpState
 
 T = TypeVar("T")
 
@@ -33,6 +35,14 @@ class BatchBook:
         raise NotImplementedError
 
     def _now(self) -> float:
+        raise NotImplementedError
+
+    async def _admit(self, tx: Any) -> None:
+        raise NotImplementedError
+
+    async def _transition(self, tx: Any, operation_id: str, target: OpState,
+                          reason: str | None, count: int, now: float,
+                          owner: str | None = None, busy_s: float | None = None) -> int:
         raise NotImplementedError
 
     async def _close_batches(self, tx: Tx, now: float, batch_ids: Iterable[str] = (),
@@ -108,3 +118,35 @@ class BatchBook:
 
     async def open_jobs(self) -> list[Batch]:
         return [_batch(r) for r in await self._read(self._sql.SELECT_OPEN_JOBS)]
+
+    async def take_batch(self, batch_id: str, owner: str,
+                         busy_s: float) -> list[BatchMember] | None:
+        sql = self._sql
+
+        async def write(tx: Tx) -> list[BatchMember]:
+            await self._admit(tx)
+            # Two peers taking one batch at once: the later one sees the earlier's holds.
+            await tx.lock(f"batch:{batch_id}")
+            found = await tx.fetchrow(sql.SELECT_BATCH, batch_id)
+            if found is None or found[3] == "closed":
+                raise _NotTaken(batch_id)
+            members = [BatchMember(r[0], r[1], r[2], r[3], r[4])
+                       for r in await tx.fetch(sql.SELECT_BATCH_MEMBERS, batch_id)]
+            now = self._now()
+            for m in members:
+                if m.outcome is None:
+                    # The guarded move in flight again: refused while another owner's
+                    # hold has time left. Not a new attempt: the same one, sent again.
+                    await self._transition(tx, m.operation_id, OpState.IN_FLIGHT, None,
+                                           count=0, now=now, owner=owner, busy_s=busy_s)
+            return members
+
+        try:
+            # With a savepoint: a member refused after others were held undoes their holds.
+            return await self._write(write)
+        except (_NotTaken, OperationBusy, IllegalTransition):
+            return None
+
+
+class _NotTaken(Exception):
+    """The batch is closed, or not there: nothing to take."""

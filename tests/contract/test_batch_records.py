@@ -194,3 +194,58 @@ class TestBatchClosing:
         batch = await backend.ledger.get_batch("b-1")
         assert batch is not None
         assert batch.state == "closed", batch
+
+
+class TestTakingABatch:
+    """A batch sent again after its sender stopped is taken first
+    (supervisor/consumer/batch_recovery.py): every open member held for one sender in
+    one commit, or none, so two replicas never send it again at once."""
+
+    async def test_the_open_members_are_held_for_the_taker_and_a_settled_one_left(
+            self, backend: Backend) -> None:
+        op_ids = await _batch_of(backend, ["r-1", "r-2", "r-3"], shape="per_item")
+        members = await backend.ledger.batch_members("b-1")
+        await backend.ledger.settle([Settlement(op_ids[0], OpState.DELETED, None,
+                                                attempt_id=members[0].attempt_id,
+                                                outcome="deleted", status=200)])
+        taken = await backend.ledger.take_batch("b-1", "again-1", 30.0)
+        assert taken is not None
+        assert [m.operation_id for m in taken] == op_ids  # every id it carried, in order
+        assert [m.outcome for m in taken] == ["deleted", None, None]
+        for m in taken[1:]:
+            assert await backend.ledger.owns_attempt(m.operation_id, m.attempt_id,
+                                                     "again-1", 1.0)
+            op = await backend.ledger.get_operation(m.operation_id)
+            assert op is not None
+            assert (op.state, op.attempts) == (OpState.IN_FLIGHT, 1)  # the same attempt
+        # Another sender is refused while the holds last.
+        assert await backend.ledger.take_batch("b-1", "again-2", 30.0) is None
+
+    async def test_concurrent_takers_one_wins(self, backend: Backend) -> None:
+        await _batch_of(backend, [f"r-{i}" for i in range(20)], shape="per_item")
+        got = await asyncio.gather(*(backend.ledger.take_batch("b-1", f"again-{k}", 30.0)
+                                     for k in range(5)))
+        winners = [k for k, g in enumerate(got) if g is not None]
+        assert len(winners) == 1, got
+        for m in await backend.ledger.batch_members("b-1"):
+            assert await backend.ledger.owns_attempt(m.operation_id, m.attempt_id,
+                                                     f"again-{winners[0]}", 1.0)
+
+    async def test_one_member_held_by_a_delivery_takes_none(self, backend: Backend) -> None:
+        run = await discovered_run(backend, ["r-1", "r-2"])
+        a, b = (op.id for op in await backend.ledger.list_operations(run.id, None, None, 10))
+        first = await backend.ledger.begin_attempt(a, "delete")
+        second = await backend.ledger.begin_attempt(b, "delete", owner="delivery-b",
+                                                    busy_s=60.0)
+        await backend.ledger.record_batch(Batch("b-1", "per_item", 2, "sent", 0.0),
+                                          [(first, 0), (second, 1)])
+        assert await backend.ledger.take_batch("b-1", "again-1", 30.0) is None
+        # Nothing was taken: a's attempt is not the taker's, b is still the delivery's.
+        assert not await backend.ledger.owns_attempt(a, first, "again-1", 1.0)
+        assert await backend.ledger.owns_attempt(b, second, "delivery-b", 1.0)
+
+    async def test_a_closed_or_unknown_batch_is_not_taken(self, backend: Backend) -> None:
+        await _batch_of(backend, ["r-1"], shape="per_item")
+        await backend.ledger.update_batch("b-1", "closed")
+        assert await backend.ledger.take_batch("b-1", "again-1", 30.0) is None
+        assert await backend.ledger.take_batch("b-nope", "again-1", 30.0) is None

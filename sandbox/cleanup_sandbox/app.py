@@ -346,16 +346,27 @@ async def sandbox_requests(request: web.Request) -> web.StreamResponse:
 
 
 async def sandbox_wait(request: web.Request) -> web.StreamResponse:
+    """Long-poll until every counter named in the query reaches its target: any integer
+    counter of ``/_sandbox/stats`` (executions, pages or pages_served, requests,
+    batch_requests, requests_during_pause...). A name it does not count is refused (400),
+    never waited on as if it had been reached."""
     state = request.app[STATE_KEY]
     closing = request.app[CLOSING_KEY]
-    executions = _int_param(request, "executions", 0, 0)
-    pages = _int_param(request, "pages", 0, 0)
-    requests = _int_param(request, "requests", 0, 0)
+    counters = {k for k, v in state.stats().items() if isinstance(v, int)}
+    targets: dict[str, int] = {}
+    for name in request.query:
+        if name == "timeout":
+            continue
+        counter = "pages_served" if name == "pages" else name
+        if counter not in counters:
+            raise ClientError(400, "invalid_parameter", f"{name} is not a counter this "
+                              f"sandbox waits on (one of: {', '.join(sorted(counters))})")
+        targets[counter] = _int_param(request, name, 0, 0)
     timeout = _float_param(request, "timeout", DEFAULT_WAIT_TIMEOUT, MAX_WAIT_TIMEOUT)
 
     def reached() -> bool:
-        c = state.counters
-        return c.executions >= executions and c.pages_served >= pages and c.requests >= requests
+        stats = state.stats()
+        return all(stats[name] >= target for name, target in targets.items())
 
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout):

@@ -385,6 +385,7 @@ async def _submit(request: web.Request, path_shape: BatchShape | None) -> web.St
     state = request.app[STATE_KEY]
     shape = _enabled(state, path_shape)
     state.counters.batch_requests += 1
+    state.wake_waiters()  # a test long-polls the batch requests that arrived
     _authorise(request, state)
     body = await _read_body(request)
     state.counters.batch_items += len(body.ids)

@@ -435,6 +435,14 @@ async def test_wait_returns_once_thresholds_are_reached() -> None:
         assert status == 408
         assert body["error"] == "timeout"
         assert (await get_json(http, "/_sandbox/wait?executions=-1"))[0] == 400
+        # Any integer counter of the stats is a target; a name it does not count is
+        # refused, never taken as reached (a typo once waited on nothing).
+        status, stats = await get_json(http, "/_sandbox/wait?requests=3&deleted=3&timeout=0")
+        assert (status, stats["deleted"]) == (200, 3)
+        status, body = await get_json(http, "/_sandbox/wait?batch_request=1&timeout=0")
+        assert status == 400
+        assert "batch_request is not a counter" in body["message"], body
+        assert (await get_json(http, "/_sandbox/wait?pause_remaining=1"))[0] == 400
 
 
 async def test_log_lists_executions_as_json_or_json_lines() -> None:

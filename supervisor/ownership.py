@@ -91,6 +91,15 @@ class Ownership:
         return owned | await self.ledger.owns_attempts(
             [c for c, k in zip(short, kept, strict=True) if k], self.cover_s)
 
+    async def keep_through(self, claims: Sequence[tuple[str, int, str]],
+                           wait_s: float) -> set[str]:
+        """Before a wait of ``wait_s`` (a backoff) and another request: extend each claim's
+        hold to outlast both, where it has not run out. The operations kept."""
+        kept = await asyncio.gather(*(self.ledger.keep_attempt(op_id, attempt, owner,
+                                                               wait_s + self.busy_s)
+                                      for op_id, attempt, owner in claims))
+        return {c[0] for c, k in zip(claims, kept, strict=True) if k}
+
     @staticmethod
     def _not_sent(op_id: str, why: str) -> tuple[None, str]:
         metrics.ATTEMPTS_NOT_SENT.inc()

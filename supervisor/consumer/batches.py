@@ -7,8 +7,8 @@ each operation settles on its own item's verdict in one commit
 
 Crash safety is the single path's, per item: every attempt is written before the
 request leaves and names its batch. A delivery whose operation's open attempt belongs
-to a batch that may have been sent finds that batch again: sent again whole under the
-same key (the partner replays its answer), or left to the job poller."""
+to a batch that may have been sent finds that batch again
+(:mod:`supervisor.consumer.batch_recovery`)."""
 
 from __future__ import annotations
 
@@ -34,13 +34,15 @@ from supervisor.batchsettings import BatchConfig
 from supervisor.budget.base import Admission, Feedback, Grant, Outcome, RateBudget
 from supervisor.budget.pair import TwoLimits
 from supervisor.config import Config
-from supervisor.consumer.decide import Action, Do, Rules, busy, decide
+from supervisor.consumer.batch_items import AGAIN, Again, Item
+from supervisor.consumer.batch_recovery import BatchRecovery
+from supervisor.consumer.decide import Action, Do, Rules, busy
 from supervisor.consumer.executor import LOST_RETRY_S, Phase, Phases
 from supervisor.consumer.settler import Settler
 from supervisor.errors import AttemptOpen, IllegalTransition, OperationBusy
 from supervisor.ledger.base import Ledger
 from supervisor.ledger.ids import new_batch_id
-from supervisor.model import Batch, Delivery, Disposition, Operation, Received, Settlement
+from supervisor.model import Batch, Delivery, Disposition, Operation, Settlement
 from supervisor.outcomes import backoff, feedback
 from supervisor.ownership import Ownership
 from supervisor.partner import Answer, PartnerClient, Verdict, paced_probe
@@ -48,28 +50,6 @@ from supervisor.queue.courier import Courier
 from supervisor.states import SETTLED, OpState
 
 log = logging.getLogger(__name__)
-
-
-class _Again:
-    """The item goes round again: its worker adds it to the next batch."""
-
-
-AGAIN = _Again()
-Result = Action | None | _Again
-
-
-@dataclass(slots=True)
-class Item:
-    op: Operation
-    delivery: Delivery | None  # None: a member settled on the ledger alone (a recovery)
-    task: asyncio.Task[None] | None = None
-    done: asyncio.Future[Result] | None = None
-    attempt_id: int | None = None
-    held_until: float = 0.0  # wall clock: its attempt's hold runs out no sooner
-
-    def resolve(self, result: Result) -> None:
-        if self.done is not None and not self.done.done():
-            self.done.set_result(result)
 
 
 @dataclass(slots=True)
@@ -81,7 +61,7 @@ class _Sent:
     ids_refused: bool = False
 
 
-class BatchSender:
+class BatchSender(BatchRecovery):
     def __init__(self, config: Config, ledger: Ledger, budget: RateBudget,
                  partner: PartnerClient, courier: Courier, settler: Settler, rules: Rules,
                  phases: Phases, owned: Ownership) -> None:
@@ -104,6 +84,7 @@ class BatchSender:
         self._job_waiters = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._resolving: dict[str, asyncio.Task[None]] = {}
+        self._taken: dict[str, set[str]] = {}
         # Woken when a job is submitted, so the poller reads it without waiting a round.
         self.job_submitted = asyncio.Event()
         # Set by the poller when a job closes: a batch waiting for a job slot looks again.
@@ -111,23 +92,6 @@ class BatchSender:
         self._job_lock = asyncio.Lock()
 
     # -- the worker's side -------------------------------------------------------------
-
-    async def recover(self, delivery: Delivery, op: Operation) -> tuple[bool, Action | None]:
-        """Before anything is decided for a delivery whose operation has an open attempt
-        (its process died, or this is a copy): if a batch carried that attempt, the
-        batch decides, for every operation it carried, not this delivery's rule for a
-        lone attempt (a job may still be running; a batch is sent again only whole,
-        under its key). (False, None): not a batch's attempt. (True, action): handled,
-        and what this delivery calls for now (None: done)."""
-        batch = await self.ledger.open_batch_of(op.id)
-        if batch is None:
-            return False, None
-        found = await self._recover(delivery, batch)
-        if not isinstance(found, _Again):
-            return True, found
-        fresh = await self.ledger.get_operation(op.id)
-        action = decide(Received(fresh, 0), self.rules, time.time())
-        return True, action
 
     async def attempt(self, task: asyncio.Task[None], delivery: Delivery,
                       op: Operation) -> Action | None:
@@ -140,68 +104,12 @@ class BatchSender:
             self.chunker.add(item)
             assert item.done is not None
             result = await item.done
-            if not isinstance(result, _Again):
+            if not isinstance(result, Again):
                 return result
             fresh = await self.ledger.get_operation(op.id)
             if fresh is None or fresh.state in SETTLED:
                 return Action(Do.DROP, reason="settled")
             op = fresh
-
-    async def _recover(self, delivery: Delivery, batch: Batch) -> Result:
-        if batch.shape == "job" or batch.state in ("submitting", "submitted"):
-            if batch.state == "formed":
-                return await self._unsent(batch)
-            # The job poller finds it (by its reference, or by our tag): not ours.
-            self.settler.moved.add(delivery.receipt)
-            await self.courier.drop(delivery, "in_job")
-            return None
-        if batch.state == "formed":
-            return await self._unsent(batch)
-        # It may have been sent. With keys: again, whole, under the same key (the
-        # partner replays its answer). Without: every item it carried is held for a
-        # probe, never resent. Once per batch, however many of its copies arrive.
-        work = self._resolving.get(batch.id)
-        if work is None:
-            how = self._resend if self.config.partner.idempotency_keys else self._hold
-            work = asyncio.create_task(how(batch), name=f"batch-recover-{batch.id}")
-            self._resolving[batch.id] = work
-            work.add_done_callback(lambda _: self._resolving.pop(batch.id, None))
-        await asyncio.shield(work)
-        return AGAIN
-
-    async def _unsent(self, batch: Batch) -> Result:
-        """A batch written and never sent (its state says so): close its open attempts
-        unsent, nothing done at the partner."""
-        members = await self.ledger.batch_members(batch.id)
-        ruling = refused_whole(batch.id, Answer(Verdict.TRANSIENT, None, ""),
-                               "was never sent (the process stopped first)")
-        await self._settle(batch, [(Item(await self._op(m.operation_id), None,
-                                  attempt_id=m.attempt_id), ruling)
-                            for m in members if m.outcome is None])
-        await self.ledger.update_batch(batch.id, "closed", detail="never sent")
-        return AGAIN
-
-    async def _op(self, operation_id: str) -> Operation:
-        op = await self.ledger.get_operation(operation_id)
-        assert op is not None, "a batch member's operation exists"
-        return op
-
-    async def _hold(self, batch: Batch) -> None:
-        members = [m for m in await self.ledger.batch_members(batch.id) if m.outcome is None]
-        ops = await self.ledger.get_operations([m.operation_id for m in members])
-        answer = Answer(Verdict.AMBIGUOUS, None, f"batch {batch.id} may have acted and has "
-                        "no recorded outcome")
-        ruling = Ruling(OpState.AMBIGUOUS, f"{answer.detail}; not resent", answer)
-        await self._settle(batch, [(Item(ops[m.operation_id], None, attempt_id=m.attempt_id),
-                                    ruling) for m in members if m.operation_id in ops])
-
-    async def _resend(self, batch: Batch) -> None:
-        members = await self.ledger.batch_members(batch.id)
-        ops = await self.ledger.get_operations([m.operation_id for m in members])
-        items = [Item(ops[m.operation_id], None, attempt_id=m.attempt_id) for m in members]
-        log.info("batch %s: sent again under its key after its outcome was lost", batch.id,
-                 extra={"action": "batch_resend"})
-        await self._send(batch, items)
 
     # -- forming and sending -----------------------------------------------------------
 
@@ -309,9 +217,8 @@ class BatchSender:
 
     async def _lost(self, members: list[Item]) -> set[str]:
         """The check right before the request leaves (supervisor/ownership.py): the
-        members whose attempt is no longer their delivery's."""
-        claims = [(it.op.id, it.attempt_id or 0, it.delivery.receipt) for it in members
-                  if it.delivery is not None]
+        members whose attempt is no longer their delivery's (or their sender's)."""
+        claims = [c for it in members if (c := it.claim) is not None]
         if not self.ledger.peers_may_take_over and all(
                 it.held_until > time.time() + self.owned.cover_s for it in members):
             return set()  # one process: no hold with time left can have been lost
@@ -423,10 +330,13 @@ class BatchSender:
         ids = [it.op.recipient_id for it in items]
         cost = self._cost(len(items))
         tries = 0
+        answer: BatchAnswer | None = None
         while True:
             grant = grant_taken if grant_taken is not None and tries == 0 \
                 else await self.budget.acquire(cost)
             grant_taken = None
+            if tries and await self._taken_over(batch, items, grant, answer):
+                return
             answer = await self.client.send(ids, batch.id)
             tries += 1
             whole = answer.whole
@@ -451,11 +361,46 @@ class BatchSender:
             if whole.verdict is Verdict.AMBIGUOUS and self.config.partner.idempotency_keys \
                     and tries < self.config.partner.max_attempts and self.batch.shape != "job":
                 # It may have acted: the same batch again under the same key, never a
-                # new batch (a new key could not be deduplicated).
-                await asyncio.sleep(backoff(self.config.partner, tries))
+                # new batch (a new key could not be deduplicated). Its holds outlast the
+                # backoff, so that no one takes it over while it waits.
+                delay = backoff(self.config.partner, tries)
+                kept = await self.owned.keep_through(
+                    [c for it in items if (c := it.claim) is not None], delay)
+                until = time.time() + delay + self._busy_s
+                for it in items:
+                    if it.op.id in kept:
+                        it.held_until = max(it.held_until, until)
+                await asyncio.sleep(delay)
                 continue
             await self._conclude(_Sent(batch, items, answer, ids_refused))
             return
+
+    async def _taken_over(self, batch: Batch, items: list[Item], grant: Grant,
+                          answer: BatchAnswer | None) -> bool:
+        """Before a batch whose answer was lost goes again: True when a member's hold was
+        lost meanwhile (a long run of timeouts outlasts a hold; a peer found the batch
+        and took it), and then nothing is sent. The members still held settle on the
+        last answer; the others are their taker's, whose attempt this is now."""
+        try:
+            lost = await self._lost(items)
+        except BaseException:
+            self.budget.release(grant, Feedback(Outcome.OTHER))
+            raise
+        if not lost:
+            return False
+        assert answer is not None, "a batch goes again only after an answer"
+        self.budget.release(grant, Feedback(Outcome.OTHER))
+        metrics.ATTEMPTS_NOT_SENT.inc(len(items))
+        log.warning("batch %s not sent again: %d of its %d holds were lost while it waited "
+                    "to; whoever took them decides those", batch.id, len(lost), len(items),
+                    extra={"action": "attempt_not_sent"})
+        kept = [it for it in items if it.op.id not in lost]
+        await self._settle(batch, [(it, rule(self.config.partner, _for_item(
+            batch.id, answer.whole), it.op.attempts + 1)) for it in kept])
+        for it in items:
+            if it.op.id in lost:
+                it.resolve(AGAIN)
+        return True
 
     # -- what the answer makes of each item --------------------------------------------
 

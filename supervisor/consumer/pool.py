@@ -231,8 +231,10 @@ class ConsumerPool:
             received = Received(await self.ledger.get_operation(delivery.message.operation_id),
                                 0)
         op = received.operation
+        # An open attempt no one holds, or one whose batch this process is sending again.
         if self.batches is not None and op is not None and op.unfinished_attempt \
-                and op.state not in SETTLED and received.held_s <= 0:
+                and op.state not in SETTLED \
+                and (received.held_s <= 0 or self.batches.resolving(op.id)):
             handled, instead = await self.batches.recover(delivery, op)
             if handled and (instead is None or instead.do is not Do.ATTEMPT):
                 if instead is not None:

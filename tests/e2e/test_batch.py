@@ -17,13 +17,14 @@ N = 600
 
 
 def _service(e2e: E2E, sandbox: Sandbox, shape: str, rate: float = 50.0,
-             **batch: Any) -> Service:
+             partner: dict[str, Any] | None = None, **batch: Any) -> Service:
     path = {"per_item": "/recipients/batch-delete", "accepted": "/recipients/batch-archive",
             "job": "/recipients/batch-jobs"}[shape]
     overrides: dict[str, dict[str, Any]] = {
         "batch": {"shape": shape, "path": path, "max_items": 50, "linger_seconds": 0.02,
                   "poll_initial_seconds": 0.2, "poll_max_seconds": 1.0, **batch},
-        "partner": {"backoff_initial_seconds": 0.05, "backoff_max_seconds": 0.5},
+        "partner": {"backoff_initial_seconds": 0.05, "backoff_max_seconds": 0.5,
+                    **(partner or {})},
         "limits": {"rate_per_second": rate, "concurrency": 4}}
     return e2e.service(sandbox, overrides)
 
@@ -335,3 +336,31 @@ async def _drained_alone(svc: Service, sandbox: Sandbox, shape: str, n: int) -> 
     assert stats["deleted"] == deleted, (run, stats)
     assert stats["duplicates"] == 0, stats
     assert n / 50 <= stats["batch_requests"] < n / 10, stats
+
+
+async def test_a_batch_timing_out_keeps_its_holds_through_a_long_backoff(e2e: E2E) -> None:
+    """A batch whose answer is lost goes again under its key after a backoff. The
+    backoff (6 to 12 s here) outlasts the holds its attempts were written with (the
+    request's bound and 5 s): before it waits, its holds are extended to cover the wait,
+    so the same batch goes again (the partner replays it). A hold that had run out
+    would be read as taken over, and its ids sent in a new batch under a new key."""
+    sandbox = await e2e.sandbox("--recipients", 50, "--rate", 1000, "--batch", "per_item",
+                                "--latency-ms", 2500)
+    svc = _service(e2e, sandbox, "per_item", partner={
+        "connect_timeout_seconds": 0.5, "request_timeout_seconds": 1.5,
+        "backoff_initial_seconds": 12.0, "backoff_max_seconds": 12.0})
+    await svc.start()
+    run_id = await svc.open_run()
+    await sandbox.wait(batch_requests=1)
+    await sandbox.control(latency_ms=0)  # the first answer is lost, the next one comes
+    run = await svc.wait_done(run_id)
+    assert run["counts"]["deleted"] + run["counts"]["already_absent"] == 50, run
+    keys: dict[str, set[str]] = {}
+    for e in await sandbox.requests():
+        keys.setdefault(e["recipient_id"], set()).add(e["idempotency_key"])
+    assert all(len(k) == 1 for k in keys.values()), keys
+    stats = await sandbox.stats()
+    assert stats["batch_requests"] == 2, stats
+    assert (stats["replays"], stats["duplicates"]) == (1, 0), stats
+    assert svc.current is not None
+    assert not [line for line in svc.current.lines if "not sent again" in line]

@@ -27,23 +27,33 @@ batch then read through the protocol.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from supervisor.postgres.ledger import PostgresLedger
-from tests.e2e.faults.harness import UNSENT_BATCH, Fault, FaultService, Mode, fault_service
+from tests.e2e.faults.harness import (
+    UNSENT_BATCH,
+    Fault,
+    FaultProcess,
+    FaultService,
+    Mode,
+    fault_service,
+)
 from tests.e2e.faults.test_batch_faults import aim, closing
-from tests.e2e.harness import E2E, Sandbox
+from tests.e2e.harness import E2E, Sandbox, Sections
 from tests.e2e.ledger_file import UNRESOLVED
 from tests.e2e.replica_harness import (
     SINGLETONS,
     batch_ids,
     ledger_reader,
     metrics_of,
+    no_duplicates,
     role_holders,
     sending_pids,
     settle_run,
@@ -97,7 +107,7 @@ SHAPES = {s.name: s for s in (
 
 
 def _replica(e2e: E2E, sandbox: Sandbox, pg: Any, i: int, s: Shape,
-             mode: Mode) -> FaultService:
+             mode: Mode, *more: Sections) -> FaultService:
     svc = fault_service(e2e, sandbox, {
         "ledger": {"backend": "postgres", "schema": pg.schema, "heartbeat_seconds": 0.5,
                    "dead_after_seconds": 3.0, "role_poll_seconds": 0.5},
@@ -110,7 +120,7 @@ def _replica(e2e: E2E, sandbox: Sandbox, pg: Any, i: int, s: Shape,
                   "linger_seconds": 0.02, "poll_initial_seconds": 0.2,
                   "poll_max_seconds": 1.0, **s.batch},
         "limits": {"rate_per_second": s.rate, "concurrency": 2},
-    }, mode.overrides, name=f"replica-{i + 1}")
+    }, mode.overrides, *more, name=f"replica-{i + 1}")
     svc.env["CLEANUP_DATABASE_URL"] = pg.dsn
     return svc
 
@@ -340,3 +350,74 @@ async def _left_open(ledger: PostgresLedger, left_open: dict[str, str]) -> list[
                     [(a.id, a.kind, a.outcome, a.detail)
                      for a in await ledger.attempts(first)]))
     return out
+
+
+@contextlib.asynccontextmanager
+async def black_hole() -> AsyncIterator[tuple[str, asyncio.Event]]:
+    """A partner that reads a request and never answers: its URL, and an event set once
+    a request has arrived (the dead sender's batch, caught before the partner saw it)."""
+    arrived = asyncio.Event()
+    held: list[asyncio.StreamWriter] = []
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        if await reader.readuntil(b"\r\n\r\n"):
+            arrived.set()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", arrived
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+
+
+async def test_a_batch_found_again_by_two_replicas_at_once_is_sent_again_once(
+        pg: Any, e2e: E2E) -> None:
+    """The race the storm once caught (seed 91234: one batch of 50 executed twice): a
+    replica dies with a batch in the air, and its members' deliveries come back to two
+    replicas at once, each finding the same batch. Each member's hold belonged to its
+    own delivery, so both sent the batch again under its key, 30 ms apart. Now the batch
+    is taken whole before it is sent again (Ledger.take_batch): one survivor sends it,
+    the other's deliveries wait for its outcome.
+
+    The dead sender's request never reached the partner (it went into a black hole), so
+    the batch sent again is executed, held 1 s at the partner: the window in which a
+    second sender would be seen. Before the fix both survivors sent it, and this partner
+    (which runs a key's concurrent requests, as some do) executed all 50 twice."""
+    s, mode = SHAPES["per_item"], Mode("keys", True)
+    sandbox = await e2e.sandbox("--recipients", MAX_ITEMS, "--seed", 7, "--rate", 1000,
+                                "--batch", "per_item", "--latency-ms", 1000)
+    # Leases long enough for both survivors to be up when the dead one's run out.
+    quick = {"queue": {"lease_seconds": 6.0}}
+    # A survivor works 25 deliveries at once (one request of up to 25 ids): the dead
+    # batch's 50 come back spread over both.
+    half = {"limits": {"concurrency": 1}, "batch": {"max_items": MAX_ITEMS // 2},
+            "queue": {"prefetch": 0}}
+    async with black_hole() as (nowhere, arrived):
+        first = _replica(e2e, sandbox, pg, 0, s, mode, quick,
+                         {"partner": {"base_url": nowhere}})
+        survivors = [_replica(e2e, sandbox, pg, i, s, mode, quick, half) for i in (1, 2)]
+        await first.start()
+        run_id = await first.open_run()
+        async with asyncio.timeout(30):
+            await arrived.wait()
+        await first.kill()
+    await asyncio.gather(*(svc.start() for svc in survivors))
+    run = await settle_run(survivors[0], run_id)
+    assert run["counts"]["deleted"] + run["counts"]["already_absent"] == MAX_ITEMS, run
+    stats = await sandbox.stats()
+    no_duplicates(await sandbox.log(), stats)
+    sent: Counter[str] = Counter()
+    for e in await sandbox.requests():
+        sent[e["idempotency_key"]] += 1
+    async with ledger_reader(pg.dsn, pg.schema) as ledger:
+        sizes = {key: len(await ledger.batch_members(key)) for key in sent}
+    # Once each: the killed batch by the one survivor that took it, any later one once.
+    assert all(n == sizes[key] for key, n in sent.items()), (sent, sizes)
+    assert stats["conflicts"] == 0, stats
+    again = [line for svc in survivors for p in svc.history if isinstance(p, FaultProcess)
+             for line in p.lines if "sent again under its key" in line]
+    assert len(again) == 1, again

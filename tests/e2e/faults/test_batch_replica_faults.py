@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import signal
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -421,3 +422,39 @@ async def test_a_batch_found_again_by_two_replicas_at_once_is_sent_again_once(
     again = [line for svc in survivors for p in svc.history if isinstance(p, FaultProcess)
              for line in p.lines if "sent again under its key" in line]
     assert len(again) == 1, again
+
+
+async def test_a_stalled_sender_does_not_send_again_a_batch_a_peer_took(
+        pg: Any, e2e: E2E) -> None:
+    """The other side of that race: the sender is alive but stalls (SIGSTOP) in the
+    backoff after its batch's answer was lost, long enough to be declared dead. A peer
+    takes the batch and sends it again; when the stalled sender wakes, the check before
+    it goes again finds its holds taken over, and it never sends the batch a third time
+    (nor while the peer's request is in the air)."""
+    s, mode = SHAPES["per_item"], Mode("keys", True)
+    # The first answer takes 2.5 s, past the request timeout of 1.5 s: it is lost.
+    sandbox = await e2e.sandbox("--recipients", MAX_ITEMS, "--seed", 7, "--rate", 1000,
+                                "--batch", "per_item", "--latency-ms", 2500)
+    slow = {"partner": {"backoff_initial_seconds": 12.0, "backoff_max_seconds": 12.0}}
+    stalled, peer = (_replica(e2e, sandbox, pg, i, s, mode, slow) for i in range(2))
+    await stalled.start()
+    run_id = await stalled.open_run()
+    await sandbox.wait(batch_requests=1)
+    await sandbox.control(latency_ms=0)
+    assert stalled.current is not None
+    stalled.current.send(signal.SIGSTOP)
+    try:
+        await peer.start()
+        run = await settle_run(peer, run_id)
+    finally:
+        stalled.current.send(signal.SIGCONT)
+    assert run["counts"]["deleted"] + run["counts"]["already_absent"] == MAX_ITEMS, run
+    await stalled.current.wait_for_line(r"batch \S+ not sent again: \d+ of its 50 holds "
+                                        r"were lost", within_s=30)
+    stats = await sandbox.stats()
+    no_duplicates(await sandbox.log(), stats)
+    keys = Counter(e["idempotency_key"] for e in await sandbox.requests())
+    # One batch: its first request (answer lost) and the peer's, replayed. Never the
+    # stalled sender's second.
+    assert list(keys.values()) == [2 * MAX_ITEMS], keys
+    assert (stats["batch_requests"], stats["replays"]) == (2, 1), stats

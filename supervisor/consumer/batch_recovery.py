@@ -20,9 +20,8 @@ import secrets
 import time
 from collections.abc import Sequence
 
-from supervisor import metrics
 from supervisor.batch.verdicts import Ruling, refused_whole
-from supervisor.budget.base import Feedback, Grant, Outcome, RateBudget
+from supervisor.budget.base import Grant, RateBudget
 from supervisor.config import Config
 from supervisor.consumer.batch_items import AGAIN, Again, Item, Result
 from supervisor.consumer.decide import Action, Rules, decide
@@ -65,7 +64,7 @@ class BatchRecovery:
     def _cost(self, k: int) -> int:
         raise NotImplementedError
 
-    async def _lost(self, members: list[Item]) -> set[str]:
+    async def _lost_holding(self, members: list[Item], grant: Grant) -> set[str]:
         raise NotImplementedError
 
     async def recover(self, delivery: Delivery, op: Operation) -> tuple[bool, Action | None]:
@@ -148,16 +147,10 @@ class BatchRecovery:
                       held_until=held_until, owner=owner if m.outcome is None else None)
                  for m in members]
         grant = await self.budget.acquire(self._cost(len(items)))
-        try:
-            lost = await self._lost(items)
-        except BaseException:
-            self.budget.release(grant, Feedback(Outcome.OTHER))
-            raise
+        lost = await self._lost_holding(items, grant)
         if lost:
             # Taken over while it waited for its token (this replica declared dead): the
             # taker decides; it is never sent twice.
-            self.budget.release(grant, Feedback(Outcome.OTHER))
-            metrics.ATTEMPTS_NOT_SENT.inc(len(items))
             log.warning("batch %s not sent again: %d of its holds were lost before the "
                         "token came", batch.id, len(lost), extra={"action": "attempt_not_sent"})
             return

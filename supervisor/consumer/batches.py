@@ -193,16 +193,10 @@ class BatchSender(BatchRecovery):
                 Verdict.TRANSIENT, None, ""), "was not sent: a hold began first"))
                 for it in members])
             return None
-        try:
-            lost = await self._lost(members)
-        except BaseException:
-            self.budget.release(grant, Feedback(Outcome.OTHER))
-            raise
+        lost = await self._lost_holding(members, grant)
         if lost:
             # Never a subset under the batch's ID: a resend under its key must carry the
             # same ids. The others go in the next batch, with attempts of their own.
-            self.budget.release(grant, Feedback(Outcome.OTHER))
-            metrics.ATTEMPTS_NOT_SENT.inc(len(lost))
             log.warning("batch %s not sent: %d of its %d ids' holds were lost before the "
                         "token came", batch.id, len(lost), len(members),
                         extra={"action": "attempt_not_sent"})
@@ -214,6 +208,19 @@ class BatchSender(BatchRecovery):
                                            detail="never sent: a member's hold was lost")
             return None
         return batch, members, grant
+
+    async def _lost_holding(self, members: list[Item], grant: Grant) -> set[str]:
+        """:meth:`_lost` with a token in hand: handed back unused if any hold was lost
+        (or the check failed), and the attempts lost counted as never sent."""
+        try:
+            lost = await self._lost(members)
+        except BaseException:
+            self.budget.release(grant, Feedback(Outcome.OTHER))
+            raise
+        if lost:
+            self.budget.release(grant, Feedback(Outcome.OTHER))
+            metrics.ATTEMPTS_NOT_SENT.inc(len(lost))
+        return lost
 
     async def _lost(self, members: list[Item]) -> set[str]:
         """The check right before the request leaves (supervisor/ownership.py): the
@@ -381,16 +388,10 @@ class BatchSender(BatchRecovery):
         lost meanwhile (a long run of timeouts outlasts a hold; a peer found the batch
         and took it), and then nothing is sent. The members still held settle on the
         last answer; the others are their taker's, whose attempt this is now."""
-        try:
-            lost = await self._lost(items)
-        except BaseException:
-            self.budget.release(grant, Feedback(Outcome.OTHER))
-            raise
+        lost = await self._lost_holding(items, grant)
         if not lost:
             return False
         assert answer is not None, "a batch goes again only after an answer"
-        self.budget.release(grant, Feedback(Outcome.OTHER))
-        metrics.ATTEMPTS_NOT_SENT.inc(len(items))
         log.warning("batch %s not sent again: %d of its %d holds were lost while it waited "
                     "to; whoever took them decides those", batch.id, len(lost), len(items),
                     extra={"action": "attempt_not_sent"})

@@ -435,7 +435,10 @@ async def test_a_stalled_sender_does_not_send_again_a_batch_a_peer_took(
     # The first answer takes 2.5 s, past the request timeout of 1.5 s: it is lost.
     sandbox = await e2e.sandbox("--recipients", MAX_ITEMS, "--seed", 7, "--rate", 1000,
                                 "--batch", "per_item", "--latency-ms", 2500)
-    slow = {"partner": {"backoff_initial_seconds": 12.0, "backoff_max_seconds": 12.0}}
+    # A backoff of 1 - 2 s: the monotonic clock runs on while the sender is stopped, so
+    # its backoff has passed when it wakes (the stall outlasts it), and it goes to the
+    # check before a retry at once.
+    slow = {"partner": {"backoff_initial_seconds": 2.0, "backoff_max_seconds": 2.0}}
     stalled, peer = (_replica(e2e, sandbox, pg, i, s, mode, slow) for i in range(2))
     await stalled.start()
     run_id = await stalled.open_run()

@@ -13,8 +13,9 @@ sent: whoever superseded the attempt decides the operation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from supervisor import metrics
 from supervisor.budget.base import Admission, Feedback, Grant, Outcome, RateBudget
@@ -91,14 +92,27 @@ class Ownership:
         return owned | await self.ledger.owns_attempts(
             [c for c, k in zip(short, kept, strict=True) if k], self.cover_s)
 
-    async def keep_through(self, claims: Sequence[tuple[str, int, str]],
-                           wait_s: float) -> set[str]:
-        """Before a wait of ``wait_s`` (a backoff) and another request: extend each claim's
-        hold to outlast both, where it has not run out. The operations kept."""
-        kept = await asyncio.gather(*(self.ledger.keep_attempt(op_id, attempt, owner,
-                                                               wait_s + self.busy_s)
-                                      for op_id, attempt, owner in claims))
-        return {c[0] for c, k in zip(claims, kept, strict=True) if k}
+    @contextlib.asynccontextmanager
+    async def holding(self, claims: Sequence[tuple[str, int, str]]) -> AsyncIterator[None]:
+        """While the body runs (a backoff and the wait for the next token, the probes that
+        read a batch's answer), each claim's hold is renewed every half slack, as a
+        written attempt's is while it waits for its first token: it never runs out under
+        a sender still working on it, and a hold another owner took is never taken back
+        (the renewal is the owner's only)."""
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(self.slack_s / 2)
+                await asyncio.gather(*(self._keep(op_id, attempt, owner)
+                                       for op_id, attempt, owner in claims))
+
+        task = asyncio.create_task(renew(), name="holds-renewed") if claims else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     @staticmethod
     def _not_sent(op_id: str, why: str) -> tuple[None, str]:

@@ -225,7 +225,7 @@ class BatchSender(BatchRecovery):
     async def _lost(self, members: list[Item]) -> set[str]:
         """The check right before the request leaves (supervisor/ownership.py): the
         members whose attempt is no longer their delivery's (or their sender's)."""
-        claims = [c for it in members if (c := it.claim) is not None]
+        claims = _claims(members)
         if not self.ledger.peers_may_take_over and all(
                 it.held_until > time.time() + self.owned.cover_s for it in members):
             return set()  # one process: no hold with time left can have been lost
@@ -339,8 +339,7 @@ class BatchSender(BatchRecovery):
         tries = 0
         answer: BatchAnswer | None = None
         while True:
-            grant = grant_taken if grant_taken is not None and tries == 0 \
-                else await self.budget.acquire(cost)
+            grant = grant_taken if grant_taken is not None else await self.budget.acquire(cost)
             grant_taken = None
             if tries and await self._taken_over(batch, items, grant, answer):
                 return
@@ -368,18 +367,17 @@ class BatchSender(BatchRecovery):
             if whole.verdict is Verdict.AMBIGUOUS and self.config.partner.idempotency_keys \
                     and tries < self.config.partner.max_attempts and self.batch.shape != "job":
                 # It may have acted: the same batch again under the same key, never a
-                # new batch (a new key could not be deduplicated). Its holds outlast the
-                # backoff, so that no one takes it over while it waits.
-                delay = backoff(self.config.partner, tries)
-                kept = await self.owned.keep_through(
-                    [c for it in items if (c := it.claim) is not None], delay)
-                until = time.time() + delay + self._busy_s
-                for it in items:
-                    if it.op.id in kept:
-                        it.held_until = max(it.held_until, until)
-                await asyncio.sleep(delay)
+                # new batch (a new key could not be deduplicated). Its holds are renewed
+                # through the backoff and the wait for the next token (a pause may
+                # outlast any hold), so that no one takes it over meanwhile.
+                async with self.owned.holding(_claims(items)):
+                    await asyncio.sleep(backoff(self.config.partner, tries))
+                    grant_taken = await self.budget.acquire(cost)
                 continue
-            await self._conclude(_Sent(batch, items, answer, ids_refused))
+            # Reading the answer may take long (an accepted batch's probes): its holds
+            # are renewed until every item is settled.
+            async with self.owned.holding(_claims(items)):
+                await self._conclude(_Sent(batch, items, answer, ids_refused))
             return
 
     async def _taken_over(self, batch: Batch, items: list[Item], grant: Grant,
@@ -546,6 +544,10 @@ class BatchSender(BatchRecovery):
         pending = list(self._tasks) + list(self._resolving.values())
         if pending:
             await asyncio.wait(pending)
+
+
+def _claims(items: Sequence[Item]) -> list[tuple[str, int, str]]:
+    return [c for it in items if (c := it.claim) is not None]
 
 
 def _for_item(batch_id: str, whole: Answer) -> Answer:

@@ -125,8 +125,9 @@ class BatchBook:
 
         async def write(tx: Tx) -> list[BatchMember]:
             await self._admit(tx)
-            # Two peers taking one batch at once: the later one sees the earlier's holds.
-            await tx.lock(f"batch:{batch_id}")
+            # No batch lock: two takers move its members in one order (by position), so
+            # the later one waits on the first row and then finds it held; the lock, taken
+            # before the rows, would invert the order a settlement takes them in.
             found = await tx.fetchrow(sql.SELECT_BATCH, batch_id)
             if found is None or found[3] == "closed":
                 raise _NotTaken(batch_id)

@@ -176,6 +176,38 @@ class TestBatchOwnership:
         assert await owned.still_owned([]) == set()
 
 
+    async def test_holds_are_renewed_while_a_sender_works_and_never_taken_back(
+            self, backend: Backend) -> None:
+        from supervisor.budget.local import LocalBudget
+        from supervisor.budget.settings import LimitsConfig
+        from supervisor.errors import OperationBusy
+        from supervisor.ownership import Ownership
+
+        ledger = backend.ledger
+        run = await discovered_run(backend, ["a", "b", "c"])
+        a, b, c = (op.id for op in await ledger.list_operations(run.id, None, None, 10))
+        # Holds of 1.1 s (a request's bound of 0.1 and 1 of slack), renewed every 0.5: a
+        # loop stalled 0.6 s (a busy host) is needed to let one lapse.
+        owned = Ownership(ledger, LocalBudget(LimitsConfig(), key="p"), cover_s=0.1,
+                          slack_s=1.0)
+        held = await ledger.begin_attempt(a, "delete", owner="me", busy_s=owned.busy_s)
+        unheld = await ledger.begin_attempt(c, "delete", owner="me", busy_s=owned.busy_s)
+        # b's hold ran out and another owner took it before the sender got to it.
+        lapsed = await ledger.begin_attempt(b, "delete", owner="me", busy_s=0.01)
+        await asyncio.sleep(0.05)  # a hold is a deadline on a clock: let it pass
+        [theirs] = await ledger.begin_attempts([(b, "them")], "delete", 30.0)
+        assert isinstance(theirs, int)
+        async with owned.holding([(a, held, "me"), (b, lapsed, "me")]):
+            await asyncio.sleep(2.5)  # over twice the hold: only a renewal keeps it
+            late = await ledger.begin_attempts([(a, "them"), (c, "them")], "delete", 30.0)
+        assert isinstance(late[0], OperationBusy)  # a was renewed
+        assert isinstance(late[1], int)  # c, not in the body's claims, ran out
+        assert await ledger.owns_attempt(a, held, "me", 0.05)
+        assert not await ledger.owns_attempt(c, unheld, "me", 0.0)
+        # b stays the other owner's: a renewal never takes a hold back.
+        assert await ledger.owns_attempt(b, theirs, "them", 1.0)
+
+
 class TestBatchClosing:
     @pytest.mark.parametrize("n", [2, 10, 50])
     async def test_items_settled_at_once_each_in_its_own_commit_close_their_batch(

@@ -341,7 +341,7 @@ async def _drained_alone(svc: Service, sandbox: Sandbox, shape: str, n: int) -> 
 async def test_a_batch_timing_out_keeps_its_holds_through_a_long_backoff(e2e: E2E) -> None:
     """A batch whose answer is lost goes again under its key after a backoff. The
     backoff (6 to 12 s here) outlasts the holds its attempts were written with (the
-    request's bound and 5 s): before it waits, its holds are extended to cover the wait,
+    request's bound and 5 s): its holds are renewed through the wait,
     so the same batch goes again (the partner replays it). A hold that had run out
     would be read as taken over, and its ids sent in a new batch under a new key."""
     sandbox = await e2e.sandbox("--recipients", 50, "--rate", 1000, "--batch", "per_item",

@@ -146,6 +146,9 @@ class Settlement:
     refund_attempt: bool = False
     # The batch that carried the attempt: closed in the same commit as its last outcome.
     batch_id: str | None = None
+    # Who held the attempt when it was sent: the outcome is not written once another
+    # owner holds the operation (a sender stalled past its hold, its batch taken again).
+    owner: str | None = None
 
 
 

@@ -32,13 +32,15 @@ class Ownership:
     """The token wait of one worker's written attempt, and the check after it."""
 
     def __init__(self, ledger: Ledger, budget: RateBudget, cover_s: float,
-                 slack_s: float = BUSY_SLACK_S) -> None:
+                 slack_s: float = BUSY_SLACK_S, renew_s: float | None = None) -> None:
         self.ledger = ledger
         self.budget = budget
         # What a request takes at most by its own timeouts: its hold must outlast that.
         self.cover_s = cover_s
         self.slack_s = slack_s
         self.busy_s = cover_s + slack_s
+        # Half the slack by default: a renewal may come that late and the hold still last.
+        self.renew_s = renew_s if renew_s is not None else slack_s / 2
 
     async def token(self, admission: Admission, owner: str, op_id: str,
                     attempt_id: int) -> tuple[Grant | None, str | None]:
@@ -50,7 +52,7 @@ class Ownership:
         lost: str | None = None
         try:
             while True:
-                done, _ = await asyncio.wait([waiting], timeout=self.slack_s / 2)
+                done, _ = await asyncio.wait([waiting], timeout=self.renew_s)
                 if done:
                     break
                 if not await self._keep(op_id, attempt_id, owner):
@@ -101,7 +103,7 @@ class Ownership:
         (the renewal is the owner's only)."""
         async def renew() -> None:
             while True:
-                await asyncio.sleep(self.slack_s / 2)
+                await asyncio.sleep(self.renew_s)
                 await asyncio.gather(*(self._keep(op_id, attempt, owner)
                                        for op_id, attempt, owner in claims))
 

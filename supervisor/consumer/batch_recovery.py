@@ -19,6 +19,7 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from supervisor.batch.verdicts import Ruling, refused_whole
 from supervisor.budget.base import Grant, RateBudget
@@ -36,6 +37,16 @@ from supervisor.states import OpState
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class Resolution:
+    """A batch this process resolves, once however many of its copies arrive here: the
+    work, and once it is taken to be sent again, the operations it carries (a delivery
+    of one of them joins the work instead of waiting the hold out)."""
+
+    task: asyncio.Task[None]
+    taken: frozenset[str] = frozenset()
+
+
 class BatchRecovery:
     """Mixed into :class:`supervisor.consumer.batches.BatchSender`, which supplies these."""
 
@@ -46,9 +57,7 @@ class BatchRecovery:
     settler: Settler
     rules: Rules
     owned: Ownership
-    _resolving: dict[str, asyncio.Task[None]]
-    # The batches this process took to send again, and the operations they carry.
-    _taken: dict[str, set[str]]
+    _resolving: dict[str, Resolution]
 
     async def _send(self, batch: Batch, items: list[Item],
                     grant_taken: Grant | None = None) -> None:
@@ -90,18 +99,14 @@ class BatchRecovery:
             await self.courier.drop(delivery, "in_job")
             return None
         # Once per batch in this process, however many of its copies arrive here.
-        work = self._resolving.get(batch.id)
-        if work is None:
+        found = self._resolving.get(batch.id)
+        if found is None:
             how = self._resend if self.config.partner.idempotency_keys else self._hold
             work = asyncio.create_task(how(batch), name=f"batch-recover-{batch.id}")
-            self._resolving[batch.id] = work
-            work.add_done_callback(lambda _: self._forget(batch.id))
-        await asyncio.shield(work)
+            found = self._resolving[batch.id] = Resolution(work)
+            work.add_done_callback(lambda _: self._resolving.pop(batch.id, None))
+        await asyncio.shield(found.task)
         return AGAIN
-
-    def _forget(self, batch_id: str) -> None:
-        self._resolving.pop(batch_id, None)
-        self._taken.pop(batch_id, None)
 
     async def _unsent(self, batch: Batch) -> Result:
         """A batch written and never sent (its state says so): close its open attempts
@@ -139,7 +144,7 @@ class BatchRecovery:
                      "holds it", batch.id, extra={"action": "batch_resend_skipped"})
             return
         # Their copies arriving here now find them held: they join this resolution.
-        self._taken[batch.id] = {m.operation_id for m in members}
+        self._resolving[batch.id].taken = frozenset(m.operation_id for m in members)
         ops = await self.ledger.get_operations([m.operation_id for m in members])
         held_until = time.time() + hold_s
         # Every id it carried, settled ones too: a key stands for the same request.
@@ -161,4 +166,4 @@ class BatchRecovery:
     def resolving(self, operation_id: str) -> bool:
         """Whether this process is sending again the batch that carried the operation's
         open attempt: a delivery of it then joins that, instead of waiting its hold out."""
-        return any(operation_id in ops for ops in self._taken.values())
+        return any(operation_id in r.taken for r in self._resolving.values())

@@ -35,7 +35,7 @@ from supervisor.budget.base import Admission, Feedback, Grant, Outcome, RateBudg
 from supervisor.budget.pair import TwoLimits
 from supervisor.config import Config
 from supervisor.consumer.batch_items import AGAIN, Again, Item
-from supervisor.consumer.batch_recovery import BatchRecovery
+from supervisor.consumer.batch_recovery import BatchRecovery, Resolution
 from supervisor.consumer.decide import Action, Do, Rules, busy
 from supervisor.consumer.executor import LOST_RETRY_S, Phase, Phases
 from supervisor.consumer.settler import Settler
@@ -83,8 +83,7 @@ class BatchSender(BatchRecovery):
         # Batches waiting for a job slot: while one waits, nothing more is formed.
         self._job_waiters = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._resolving: dict[str, asyncio.Task[None]] = {}
-        self._taken: dict[str, set[str]] = {}
+        self._resolving: dict[str, Resolution] = {}
         # Woken when a job is submitted, so the poller reads it without waiting a round.
         self.job_submitted = asyncio.Event()
         # Set by the poller when a job closes: a batch waiting for a job slot looks again.
@@ -374,10 +373,7 @@ class BatchSender(BatchRecovery):
                     await asyncio.sleep(backoff(self.config.partner, tries))
                     grant_taken = await self.budget.acquire(cost)
                 continue
-            # Reading the answer may take long (an accepted batch's probes): its holds
-            # are renewed until every item is settled.
-            async with self.owned.holding(_claims(items)):
-                await self._conclude(_Sent(batch, items, answer, ids_refused))
+            await self._conclude(_Sent(batch, items, answer, ids_refused))
             return
 
     async def _taken_over(self, batch: Batch, items: list[Item], grant: Grant,
@@ -483,15 +479,18 @@ class BatchSender(BatchRecovery):
                            "(settle_accepted_unprobed_risking_silent_misses)",
                            Answer(Verdict.DELETED, None, "accepted, unprobed"))
                     for _ in items]
-        if self.batch.probe_delay_seconds > 0:
-            await asyncio.sleep(self.batch.probe_delay_seconds)
 
         async def probe(it: Item) -> Ruling:
             presence, detail = await paced_probe(self.budget, self.partner, it.op.recipient_id)
             return rule_probe(p, batch.id, presence, detail, it.op.attempts + 1,
                               resend_if_present=True)
 
-        return list(await asyncio.gather(*(probe(it) for it in items)))
+        # The probes may take long (a delay, then one token each): the holds are renewed
+        # until they end, so no one takes the items over while the answer is read.
+        async with self.owned.holding(_claims(items)):
+            if self.batch.probe_delay_seconds > 0:
+                await asyncio.sleep(self.batch.probe_delay_seconds)
+            return list(await asyncio.gather(*(probe(it) for it in items)))
 
     async def _handed_to_poller(self, batch: Batch, items: list[Item], job_ref: str | None,
                                 problem: str | None) -> None:
@@ -518,7 +517,8 @@ class BatchSender(BatchRecovery):
                 disposition=r.disposition if it.delivery is not None else Disposition.KEEP,
                 delay_s=r.delay_s, reason=r.reason, attempt_id=it.attempt_id,
                 status=r.answer.status, outcome=r.answer.verdict.value,
-                detail=r.answer.detail, refund_attempt=r.refund, batch_id=batch.id))
+                detail=r.answer.detail, refund_attempt=r.refund, batch_id=batch.id,
+                owner=claim[2] if (claim := it.claim) is not None else None))
             metrics.BATCH_ITEMS.labels(r.answer.verdict.value).inc()
         await self.settler.settle_many(settlements)
         if resolve:
@@ -539,9 +539,9 @@ class BatchSender(BatchRecovery):
     async def stop(self) -> None:
         """Shutdown: nothing more is formed; batches in the air are the pool's grace."""
         self.chunker.drop_all()
-        for task in list(self._tasks) + list(self._resolving.values()):
+        pending = list(self._tasks) + [r.task for r in self._resolving.values()]
+        for task in pending:
             task.cancel("shutdown")
-        pending = list(self._tasks) + list(self._resolving.values())
         if pending:
             await asyncio.wait(pending)
 

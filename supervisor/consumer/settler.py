@@ -36,7 +36,9 @@ class Settler:
             delay_s=delay_s, reason=reason, attempt_id=attempt_id,
             status=answer.status if answer else None,
             outcome=answer.verdict.value if answer else None,
-            detail=answer.detail if answer else None, refund_attempt=refund)
+            detail=answer.detail if answer else None, refund_attempt=refund,
+            # Its attempt was begun held by this delivery (executor.py).
+            owner=delivery.receipt if attempt_id is not None else None)
         # The commit must not be torn by a shutdown cancelling this worker: it runs in a
         # task of its own, awaited to the end either way. What the transport still needs
         # after it may be cut short (a lost ack is redelivered and acked on sight).

@@ -200,7 +200,8 @@ class Ledger(BatchRecords, Protocol):
         """Commit outcomes; return the settlements whose message the transport must still
         ack or publish again (none when the queue lives in the ledger's own database).
         An outcome for an attempt that is closed already (another delivery's attempt
-        superseded it) is discarded: that attempt owns the operation."""
+        superseded it), or whose operation another owner than the settlement's holds now
+        (a batch taken again, :meth:`take_batch`), is discarded: that owner decides."""
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
                               reason: str, detail: str, status: int | None = None,

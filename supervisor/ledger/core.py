@@ -425,12 +425,14 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
         held: list[str] = []  # operations whose earlier attempts were closed unknown
         for s in settlements:
             if s.attempt_id is not None and not await tx.execute(
-                    sql.FINISH_ATTEMPT, now, s.status, s.outcome, s.detail, s.attempt_id):
+                    sql.FINISH_ATTEMPT, now, s.status, s.outcome, s.detail, s.attempt_id,
+                    s.owner):
                 # The attempt is closed already: another delivery's attempt superseded it
                 # (its guard ran out, or the operation was held as ambiguous), or another
                 # replica took the operation over from ours (declared dead after a stall).
-                # That attempt owns the operation now; writing this outcome over it could
-                # undo what it decides.
+                # Or it is open but another owner holds it: a batch found again, carried on
+                # under its taker. That owner decides the operation now; writing this
+                # outcome over it could undo what it decides.
                 superseded(s)
                 continue
             await self._transition(tx, s.operation_id, s.target, s.reason,

@@ -265,7 +265,7 @@ class SqliteLedger(LedgerCore[SqliteTx]):
         now = time.time()
         # First, as the core does: an attempt another delivery has superseded (closed)
         # is found before anything moves.
-        finishing = [(now, s.status, s.outcome, s.detail, s.attempt_id)
+        finishing = [(now, s.status, s.outcome, s.detail, s.attempt_id, s.owner)
                      for s in settlements if s.attempt_id is not None]
         before = conn.total_changes
         await conn.executemany(sql.FINISH_ATTEMPT, finishing)

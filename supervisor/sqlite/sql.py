@@ -396,9 +396,14 @@ INSERT_EVIDENCE = (
 INSERT_ATTEMPT = (
     "INSERT INTO attempts (operation_id, n, kind, started_at) VALUES (?, ?, ?, ?) RETURNING id"
 )
+# Refused (no row changed) when the attempt is closed, or when ?6 names who sent it and
+# another owner holds its operation now: a batch found again carries on the same attempt
+# under its taker (ledger/batches.py, take_batch), so only the owner tells them apart.
 FINISH_ATTEMPT = (
-    "UPDATE attempts SET finished_at = ?, status = ?, outcome = ?, detail = ? "
-    "WHERE id = ? AND outcome IS NULL"
+    "UPDATE attempts SET finished_at = ?1, status = ?2, outcome = ?3, detail = ?4 "
+    "WHERE id = ?5 AND outcome IS NULL AND (?6 IS NULL OR NOT EXISTS ("
+    " SELECT 1 FROM operations o WHERE o.id = attempts.operation_id"
+    " AND o.owner IS NOT NULL AND o.owner != ?6))"
 )
 # The attempt is still the one holding the operation in flight, for long enough.
 _OWNED = (

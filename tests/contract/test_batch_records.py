@@ -13,7 +13,14 @@ import pytest
 
 from supervisor.model import Batch, Settlement
 from supervisor.states import OpState
-from tests.contract.test_ledger import Backend, _target, discovered_run, open_backend
+from tests.contract.test_ledger import (
+    Backend,
+    _target,
+    discovered_run,
+    open_backend,
+    transported_run,
+)
+from tests.helpers import eventually
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -180,32 +187,35 @@ class TestBatchOwnership:
             self, backend: Backend) -> None:
         from supervisor.budget.local import LocalBudget
         from supervisor.budget.settings import LimitsConfig
-        from supervisor.errors import OperationBusy
         from supervisor.ownership import Ownership
 
         ledger = backend.ledger
         run = await discovered_run(backend, ["a", "b", "c"])
         a, b, c = (op.id for op in await ledger.list_operations(run.id, None, None, 10))
-        # Holds of 1.1 s (a request's bound of 0.1 and 1 of slack), renewed every 0.5: a
-        # loop stalled 0.6 s (a busy host) is needed to let one lapse.
-        owned = Ownership(ledger, LocalBudget(LimitsConfig(), key="p"), cover_s=0.1,
-                          slack_s=1.0)
-        held = await ledger.begin_attempt(a, "delete", owner="me", busy_s=owned.busy_s)
-        unheld = await ledger.begin_attempt(c, "delete", owner="me", busy_s=owned.busy_s)
+        # Holds of 60 s, renewed every 20 ms: a renewal shows as a hold far longer than
+        # the 5 s each attempt was begun with, whatever the host's pace.
+        owned = Ownership(ledger, LocalBudget(LimitsConfig(), key="p"), cover_s=0.0,
+                          slack_s=60.0, renew_s=0.02)
+        held = await ledger.begin_attempt(a, "delete", owner="me", busy_s=5.0)
+        unheld = await ledger.begin_attempt(c, "delete", owner="me", busy_s=5.0)
         # b's hold ran out and another owner took it before the sender got to it.
         lapsed = await ledger.begin_attempt(b, "delete", owner="me", busy_s=0.01)
         await asyncio.sleep(0.05)  # a hold is a deadline on a clock: let it pass
-        [theirs] = await ledger.begin_attempts([(b, "them")], "delete", 30.0)
+        [theirs] = await ledger.begin_attempts([(b, "them")], "delete", 5.0)
         assert isinstance(theirs, int)
         async with owned.holding([(a, held, "me"), (b, lapsed, "me")]):
-            await asyncio.sleep(2.5)  # over twice the hold: only a renewal keeps it
-            late = await ledger.begin_attempts([(a, "them"), (c, "them")], "delete", 30.0)
-        assert isinstance(late[0], OperationBusy)  # a was renewed
-        assert isinstance(late[1], int)  # c, not in the body's claims, ran out
-        assert await ledger.owns_attempt(a, held, "me", 0.05)
-        assert not await ledger.owns_attempt(c, unheld, "me", 0.0)
-        # b stays the other owner's: a renewal never takes a hold back.
-        assert await ledger.owns_attempt(b, theirs, "them", 1.0)
+            await eventually(lambda: ledger.owns_attempt(a, held, "me", 30.0),
+                             what="a's hold renewed")
+            # Renewed again and again (a renewal every 20 ms; a wrong one would show in
+            # any of them): b never taken back, c (not claimed) left alone.
+            for _ in range(3):
+                await asyncio.sleep(0.02)
+                assert await ledger.owns_attempt(b, theirs, "them", 1.0)
+                assert not await ledger.owns_attempt(b, lapsed, "me", 0.0)
+        assert not await ledger.owns_attempt(c, unheld, "me", 30.0)
+        assert await ledger.owns_attempt(c, unheld, "me", 0.0)  # held all the same, as begun
+        # b's hold is still the one its owner took: 5 s, not a renewal's 60.
+        assert not await ledger.owns_attempt(b, theirs, "them", 30.0)
 
 
 class TestBatchClosing:
@@ -281,3 +291,75 @@ class TestTakingABatch:
         await backend.ledger.update_batch("b-1", "closed")
         assert await backend.ledger.take_batch("b-1", "again-1", 30.0) is None
         assert await backend.ledger.take_batch("b-nope", "again-1", 30.0) is None
+
+
+@pytest.fixture(params=["sqlite", "sqlite-transport", "postgres"])
+def settling_target(request: pytest.FixtureRequest) -> tuple[str, Any]:
+    """Both of SQLite's settlements: the group commit's vectorised one (its own queue)
+    and the core's, one by one (beside a transport); PostgreSQL's."""
+    return _target(request)
+
+
+@pytest.fixture
+async def every_settlement(settling_target: tuple[str, Any],
+                           tmp_path: Path) -> AsyncIterator[Backend]:
+    async with open_backend(settling_target[0], tmp_path, settling_target[1]) as b:
+        yield b
+
+
+class TestSettlingATakenBatch:
+    """A batch's attempt is carried on by its taker (the same attempt, the same key): the
+    first sender's outcome, should it come after all (it stalled past its hold), is not
+    written over the taker's."""
+
+    async def test_only_the_owner_writes_the_outcome(self, every_settlement: Backend) -> None:
+        ledger = every_settlement.ledger
+        names = ["r-1", "r-2", "r-3", "r-4"]
+        run = (await discovered_run(every_settlement, names)
+               if every_settlement.embedded is not None
+               else (await transported_run(ledger, names))[0])
+        ids = [op.id for op in await ledger.list_operations(run.id, None, None, 10)]
+        # A hold of a hundredth of a second: the sender stalls past it.
+        begun = await ledger.begin_attempts([(i, "sender") for i in ids[:3]], "delete", 0.01)
+        [alone] = await ledger.begin_attempts([(ids[3], "sender")], "delete", 0.01)
+        attempts = [a for a in begun if isinstance(a, int)]
+        assert len(attempts) == 3
+        assert isinstance(alone, int)
+        await ledger.record_batch(Batch("b-1", "per_item", 3, "sent", 0.0),
+                                  [(a, pos) for pos, a in enumerate(attempts)])
+        await asyncio.sleep(0.05)  # a hold is a deadline on a clock: let it pass
+        assert await ledger.take_batch("b-1", "taker", 30.0) is not None
+
+        def outcome(i: int, owner: str, target: OpState, verdict: str) -> Settlement:
+            return Settlement(ids[i], target, None, attempt_id=attempts[i], outcome=verdict,
+                              detail=f"by {owner}", batch_id="b-1", owner=owner)
+
+        # The stalled sender's answer comes first for r-1: not written, r-1 is still the
+        # taker's; then the taker's is.
+        await ledger.settle([outcome(0, "sender", OpState.DELETED, "deleted")])
+        op = await ledger.get_operation(ids[0])
+        assert op is not None
+        assert op.state is OpState.IN_FLIGHT
+        assert await ledger.owns_attempt(ids[0], attempts[0], "taker", 1.0)
+        # r-2, r-3: both answers in one group commit, in either order.
+        await asyncio.gather(
+            ledger.settle([outcome(0, "taker", OpState.RETRY_WAIT, "transient")]),
+            ledger.settle([outcome(1, "sender", OpState.DELETED, "deleted")]),
+            ledger.settle([outcome(1, "taker", OpState.RETRY_WAIT, "transient")]),
+            ledger.settle([outcome(2, "taker", OpState.RETRY_WAIT, "transient")]),
+            ledger.settle([outcome(2, "sender", OpState.DELETED, "deleted")]))
+        members = await ledger.batch_members("b-1")
+        assert [m.outcome for m in members] == ["transient"] * 3  # the taker's, each
+        for i in ids[:3]:
+            op = await ledger.get_operation(i)
+            assert op is not None
+            assert op.state is OpState.RETRY_WAIT, op
+        batch = await ledger.get_batch("b-1")
+        assert batch is not None
+        assert batch.state == "closed"
+        # A hold that only ran out, taken by nobody: its sender's answer is the evidence.
+        await ledger.settle([Settlement(ids[3], OpState.DELETED, None, attempt_id=alone,
+                                        outcome="deleted", owner="sender")])
+        op = await ledger.get_operation(ids[3])
+        assert op is not None
+        assert op.state is OpState.DELETED

@@ -153,6 +153,17 @@ class Settlement:
 
 
 @dataclass(frozen=True, slots=True)
+class Settled:
+    """What a settlement's commit left: the settlements whose message the transport must
+    still ack or publish again (none when the queue is in the ledger's database), and the
+    operations whose outcome was refused, not written (another attempt or owner decides
+    them; their messages are left to their leases and decided again on what is written)."""
+
+    leftovers: list[Settlement]
+    refused: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
 class Published:
     """A message now out there for an operation: its ID and when it becomes deliverable."""
 

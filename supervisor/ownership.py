@@ -102,10 +102,12 @@ class Ownership:
         a sender still working on it, and a hold another owner took is never taken back
         (the renewal is the owner's only)."""
         async def renew() -> None:
+            # At once first: the check before sending left a hold as short as a request's
+            # bound, and the request may have used all of it.
             while True:
-                await asyncio.sleep(self.renew_s)
                 await asyncio.gather(*(self._keep(op_id, attempt, owner)
                                        for op_id, attempt, owner in claims))
+                await asyncio.sleep(self.renew_s)
 
         task = asyncio.create_task(renew(), name="holds-renewed") if claims else None
         try:

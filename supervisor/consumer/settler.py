@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from supervisor import metrics
 from supervisor.ledger.base import Ledger
-from supervisor.model import Delivery, Disposition, Operation, Settlement
+from supervisor.model import Delivery, Disposition, Operation, Settled, Settlement
 from supervisor.partner import Answer
 from supervisor.queue.courier import Courier
 from supervisor.states import SETTLED, OpState
@@ -44,17 +44,19 @@ class Settler:
         # after it may be cut short (a lost ack is redelivered and acked on sight).
         commit = asyncio.ensure_future(self.ledger.settle([settlement]))
         try:
-            leftover = await asyncio.shield(commit)
+            done = await asyncio.shield(commit)
         except asyncio.CancelledError:
             await asyncio.wait([commit])
-            if disposition is Disposition.ACK:
+            if disposition is Disposition.ACK and not _refused(commit, op.id):
                 # Settled, its ack not sent: it comes back and is acked on sight; a copy
                 # handed back now would only be one more.
                 self.moved.add(delivery.receipt)
             raise
+        if op.id in done.refused:
+            return  # not this delivery's to decide: its message is left to its lease
         if disposition is not Disposition.KEEP:
             self.moved.add(delivery.receipt)
-        await self.courier.follow_up(leftover)
+        await self.courier.follow_up(done.leftovers)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("operation %s -> %s (%s)", op.id, target.value,
                       answer.detail if answer else reason,
@@ -71,24 +73,26 @@ class Settler:
         which would be resent. SQLite joins them in one group commit all the same."""
         commit = asyncio.ensure_future(self._each(settlements))
         try:
-            leftover = await asyncio.shield(commit)
+            done = await asyncio.shield(commit)
         except asyncio.CancelledError:
             await asyncio.wait([commit])
             for s in settlements:
-                if s.delivery is not None and s.disposition is Disposition.ACK:
+                if s.delivery is not None and s.disposition is Disposition.ACK \
+                        and not _refused(commit, s.operation_id):
                     self.moved.add(s.delivery.receipt)
             raise
-        for s in settlements:
+        written = [s for s in settlements if s.operation_id not in done.refused]
+        for s in written:
             if s.delivery is not None and s.disposition is not Disposition.KEEP:
                 self.moved.add(s.delivery.receipt)
-        await self.courier.follow_up(leftover)
-        for s in settlements:
+        await self.courier.follow_up(done.leftovers)
+        for s in written:
             if s.target in SETTLED:
                 metrics.count_settled(s.target.value)
                 self.settled += 1
                 self._on_settled()
 
-    async def _each(self, settlements: Sequence[Settlement]) -> list[Settlement]:
+    async def _each(self, settlements: Sequence[Settlement]) -> Settled:
         done = await asyncio.gather(*(self.ledger.settle([s]) for s in settlements),
                                     return_exceptions=True)
         failed = [r for r in done if isinstance(r, BaseException)]
@@ -96,7 +100,9 @@ class Settler:
             log.warning("a batch item's outcome was not written: %s", exc)
         if failed:
             raise failed[0]
-        return [s for r in done if not isinstance(r, BaseException) for s in r]
+        each = [r for r in done if not isinstance(r, BaseException)]
+        return Settled([s for r in each for s in r.leftovers],
+                       frozenset().union(*(r.refused for r in each)))
 
     async def defer(self, delivery: Delivery, delay_s: float) -> None:
         """Publish the message again for ``delay_s`` from now and ack this copy; a
@@ -114,3 +120,9 @@ class Settler:
         unless it was acked or published again already."""
         if delivery.receipt not in self.moved:
             await asyncio.shield(self.courier.hand_back(delivery))
+
+
+def _refused(commit: asyncio.Future[Settled], operation_id: str) -> bool:
+    """Whether a commit that ran to its end refused the operation's outcome."""
+    return (not commit.cancelled() and commit.exception() is None
+            and operation_id in commit.result().refused)

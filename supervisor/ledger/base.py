@@ -22,6 +22,7 @@ from supervisor.model import (
     QueueStats,
     Received,
     Run,
+    Settled,
     Settlement,
 )
 from supervisor.states import OpState
@@ -196,12 +197,13 @@ class Ledger(BatchRecords, Protocol):
         (operation ID, attempt ID, owner), the operations whose attempt is still theirs
         for ``for_s`` more."""
 
-    async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
+    async def settle(self, settlements: Sequence[Settlement]) -> Settled:
         """Commit outcomes; return the settlements whose message the transport must still
-        ack or publish again (none when the queue lives in the ledger's own database).
-        An outcome for an attempt that is closed already (another delivery's attempt
-        superseded it), or whose operation another owner than the settlement's holds now
-        (a batch taken again, :meth:`take_batch`), is discarded: that owner decides."""
+        ack or publish again (none when the queue lives in the ledger's own database),
+        and those refused. An outcome for an attempt that is closed already (another
+        delivery's attempt superseded it), or whose operation another owner than the
+        settlement's holds now (a batch taken again, :meth:`take_batch`), is refused,
+        nothing of it written, its message not moved: that owner decides."""
 
     async def record_evidence(self, operation_id: str, kind: str, target: OpState,
                               reason: str, detail: str, status: int | None = None,

@@ -43,6 +43,7 @@ from supervisor.model import (
     QueueStats,
     Received,
     Run,
+    Settled,
     Settlement,
 )
 from supervisor.states import SETTLED, OpState, RunState
@@ -397,24 +398,28 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
 
         return await self._write(write, savepoint=False)
 
-    async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
-        async def write(tx: TxT) -> None:
-            await self._settle_each(tx, settlements)
+    async def settle(self, settlements: Sequence[Settlement]) -> Settled:
+        async def write(tx: TxT) -> set[str]:
+            return await self._settle_each(tx, settlements)
 
         # With a savepoint: each attempt is finished first (that is how a superseded one
         # is found), so a transition refused after it must undo that write.
-        await self._write(write)
-        return self._leftovers(settlements)
+        refused = await self._write(write)
+        return Settled(self._leftovers(settlements, refused), frozenset(refused))
 
-    def _leftovers(self, settlements: Sequence[Settlement]) -> list[Settlement]:
+    def _leftovers(self, settlements: Sequence[Settlement],
+                   refused: set[str]) -> list[Settlement]:
         """What the transport must still ack or publish again: nothing when the queue
-        is in this database (the settlement did it)."""
+        is in this database (the settlement did it), nor for an outcome refused (its
+        message is left to its lease, as the queue in this database leaves it)."""
         if self._owns_queue:
             return []
         return [s for s in settlements
-                if s.delivery is not None and s.disposition is not Disposition.KEEP]
+                if s.delivery is not None and s.disposition is not Disposition.KEEP
+                and s.operation_id not in refused]
 
-    async def _settle_each(self, tx: TxT, settlements: Sequence[Settlement]) -> None:
+    async def _settle_each(self, tx: TxT, settlements: Sequence[Settlement]) -> set[str]:
+        """Write each outcome; return the operations whose outcome was refused."""
         # SQLite settles a lone settlement of its own queue in a group commit, one
         # executemany per statement (sqlite/ledger.py, _settle_many): a vectorised copy
         # of these rules, falling back here for any batch it cannot take. The ledger
@@ -423,6 +428,7 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
         sql, now = self._sql, self._now()
         settled: list[str] = []
         held: list[str] = []  # operations whose earlier attempts were closed unknown
+        refused: set[str] = set()
         for s in settlements:
             if s.attempt_id is not None and not await tx.execute(
                     sql.FINISH_ATTEMPT, now, s.status, s.outcome, s.detail, s.attempt_id,
@@ -434,6 +440,7 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
                 # under its taker. That owner decides the operation now; writing this
                 # outcome over it could undo what it decides.
                 superseded(s)
+                refused.add(s.operation_id)
                 continue
             await self._transition(tx, s.operation_id, s.target, s.reason,
                                    count=-1 if s.refund_attempt else 0, now=now)
@@ -454,6 +461,7 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
         await self._record_events(tx, sql.INSERT_OPERATION_EVENT, settled, now)
         await self._close_batches(tx, now, {s.batch_id for s in settlements
                                             if s.batch_id is not None}, held)
+        return refused
 
     def _bookkeeping(self, s: Settlement, now: float) -> tuple[bool, float | None, bool, str]:
         """SETTLE_BOOKKEEPING's parameters: keep the lease, the retry's due time, clear the
@@ -603,7 +611,8 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
 
 
 def superseded(s: Settlement) -> None:
-    log.warning("operation %s: attempt %d was superseded (by another delivery's attempt, or "
-                "by the replica that took the operation over); this outcome (%s) is not "
-                "recorded", s.operation_id, s.attempt_id, s.outcome,
+    log.warning("operation %s: attempt %d was superseded (by another delivery's attempt, by "
+                "the replica that took the operation over, or by the sender that took its "
+                "batch again); this outcome (%s) is not recorded", s.operation_id,
+                s.attempt_id, s.outcome,
                 extra={"action": "settlement_superseded"})

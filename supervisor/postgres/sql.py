@@ -370,7 +370,7 @@ FINISH_ATTEMPT = (
     "UPDATE attempts SET finished_at = $1, status = $2, outcome = $3, detail = $4 "
     "WHERE id = $5 AND outcome IS NULL AND ($6::text IS NULL OR NOT EXISTS ("
     " SELECT 1 FROM operations o WHERE o.id = attempts.operation_id"
-    " AND o.owner IS NOT NULL AND o.owner != $6)) RETURNING id"
+    " AND o.owner NOT IN ('', $6))) RETURNING id"
 )
 HAS_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE operation_id = $1 AND outcome IS NULL LIMIT 1"
 # The same for many operations (a batch's), in one statement.

@@ -28,13 +28,14 @@ from supervisor.errors import StorageError
 from supervisor.ledger import rows
 from supervisor.ledger.core import LedgerCore
 from supervisor.ledger.driver import Row
-from supervisor.model import Disposition, Settlement
+from supervisor.model import Disposition, Settled, Settlement
 from supervisor.sqlite import sql
 from supervisor.sqlite.database import Database
 from supervisor.states import SETTLED, OpState
 
 T = TypeVar("T")
-_Batch = list[tuple[Settlement, asyncio.Future[None]]]
+# Each settlement, and what it learns: whether its outcome was refused.
+_Batch = list[tuple[Settlement, asyncio.Future[bool]]]
 
 
 def _params(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -149,10 +150,11 @@ class SqliteLedger(LedgerCore[SqliteTx]):
 
     # -- settlement: the group commit ----------------------------------------------------
 
-    async def settle(self, settlements: Sequence[Settlement]) -> list[Settlement]:
+    async def settle(self, settlements: Sequence[Settlement]) -> Settled:
         if self._owns_queue and len(settlements) == 1 and _batchable(settlements[0]):
-            await self._settle_batched(settlements[0])
-            return []
+            [s] = settlements
+            refused = await self._settle_batched(s)
+            return Settled([], frozenset({s.operation_id}) if refused else frozenset())
         return await super().settle(settlements)
 
     async def begin_attempts(self, starts: Sequence[tuple[str, str]], kind: str,
@@ -197,39 +199,38 @@ class SqliteLedger(LedgerCore[SqliteTx]):
         await conn.execute("RELEASE begin_many")
         return [opened[op_id] for op_id in ids]
 
-    async def _settle_batched(self, settlement: Settlement) -> None:
+    async def _settle_batched(self, settlement: Settlement) -> bool:
         """Join the settlements of every worker that settles before the next group commit,
         and write them with one ``executemany`` per statement instead of three statements
         each: at full speed this is where the ledger spends its time. Returns once the
-        group commit holding it has committed."""
+        group commit holding it has committed: True when its outcome was refused."""
         if self._open_batch is None:
             batch: _Batch = []
             self._open_batch = batch
             write = asyncio.ensure_future(self.db.write(
                 functools.partial(self._write_settlements, batch)))
             write.add_done_callback(functools.partial(self._settlements_done, batch))
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._open_batch.append((settlement, fut))
-        await asyncio.shield(fut)
+        return await asyncio.shield(fut)
 
     async def _write_settlements(self, batch: _Batch,
-                                 conn: aiosqlite.Connection) -> list[BaseException | None]:
+                                 conn: aiosqlite.Connection) -> list[BaseException | bool]:
         if self._open_batch is batch:
             self._open_batch = None  # later settlements start the next batch
         await conn.execute("SAVEPOINT fast")
         if await self._settle_many(conn, [s for s, _ in batch]):
             await conn.execute("RELEASE fast")
-            return [None] * len(batch)
+            return [False] * len(batch)
         # Some transition was refused, or an attempt was superseded: undo, and settle one
         # by one by the core's rules, so that only the offending settlement fails.
         await conn.execute("ROLLBACK TO fast")
         await conn.execute("RELEASE fast")
-        outcomes: list[BaseException | None] = []
+        outcomes: list[BaseException | bool] = []
         for s, _ in batch:
             await conn.execute("SAVEPOINT one")
             try:
-                await self._settle_each(SqliteTx(conn), [s])
-                outcomes.append(None)
+                outcomes.append(bool(await self._settle_each(SqliteTx(conn), [s])))
             except (sqlite3.OperationalError, sqlite3.DatabaseError):
                 raise  # storage trouble: the group commit fails as a whole
             except Exception as exc:
@@ -239,12 +240,12 @@ class SqliteLedger(LedgerCore[SqliteTx]):
         return outcomes
 
     def _settlements_done(self, batch: _Batch,
-                          write: asyncio.Future[list[BaseException | None]]) -> None:
+                          write: asyncio.Future[list[BaseException | bool]]) -> None:
         """After the group commit: each settlement learns its own outcome."""
         if self._open_batch is batch:
             self._open_batch = None
         if write.cancelled():
-            outcomes: list[BaseException | None] = [StorageError("ledger closed")] * len(batch)
+            outcomes: list[BaseException | bool] = [StorageError("ledger closed")] * len(batch)
         elif (error := write.exception()) is not None:
             outcomes = [error] * len(batch)
         else:
@@ -252,10 +253,10 @@ class SqliteLedger(LedgerCore[SqliteTx]):
         for (_, fut), outcome in zip(batch, outcomes, strict=True):
             if fut.done():
                 continue
-            if outcome is None:
-                fut.set_result(None)
-            else:
+            if isinstance(outcome, BaseException):
                 fut.set_exception(outcome)
+            else:
+                fut.set_result(outcome)
 
     async def _settle_many(self, conn: aiosqlite.Connection,
                            settlements: Sequence[Settlement]) -> bool:

@@ -403,7 +403,7 @@ FINISH_ATTEMPT = (
     "UPDATE attempts SET finished_at = ?1, status = ?2, outcome = ?3, detail = ?4 "
     "WHERE id = ?5 AND outcome IS NULL AND (?6 IS NULL OR NOT EXISTS ("
     " SELECT 1 FROM operations o WHERE o.id = attempts.operation_id"
-    " AND o.owner IS NOT NULL AND o.owner != ?6))"
+    " AND o.owner NOT IN ('', ?6)))"
 )
 # The attempt is still the one holding the operation in flight, for long enough.
 _OWNED = (

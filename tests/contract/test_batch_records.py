@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from supervisor.model import Batch, Settlement
+from supervisor.model import Batch, Settled, Settlement
 from supervisor.states import OpState
 from tests.contract.test_ledger import (
     Backend,
@@ -193,15 +194,15 @@ class TestBatchOwnership:
         run = await discovered_run(backend, ["a", "b", "c"])
         a, b, c = (op.id for op in await ledger.list_operations(run.id, None, None, 10))
         # Holds of 60 s, renewed every 20 ms: a renewal shows as a hold far longer than
-        # the 5 s each attempt was begun with, whatever the host's pace.
+        # the 20 s each attempt was begun with, whatever the host's pace.
         owned = Ownership(ledger, LocalBudget(LimitsConfig(), key="p"), cover_s=0.0,
                           slack_s=60.0, renew_s=0.02)
-        held = await ledger.begin_attempt(a, "delete", owner="me", busy_s=5.0)
-        unheld = await ledger.begin_attempt(c, "delete", owner="me", busy_s=5.0)
+        held = await ledger.begin_attempt(a, "delete", owner="me", busy_s=20.0)
+        unheld = await ledger.begin_attempt(c, "delete", owner="me", busy_s=20.0)
         # b's hold ran out and another owner took it before the sender got to it.
         lapsed = await ledger.begin_attempt(b, "delete", owner="me", busy_s=0.01)
         await asyncio.sleep(0.05)  # a hold is a deadline on a clock: let it pass
-        [theirs] = await ledger.begin_attempts([(b, "them")], "delete", 5.0)
+        [theirs] = await ledger.begin_attempts([(b, "them")], "delete", 20.0)
         assert isinstance(theirs, int)
         async with owned.holding([(a, held, "me"), (b, lapsed, "me")]):
             await eventually(lambda: ledger.owns_attempt(a, held, "me", 30.0),
@@ -214,7 +215,7 @@ class TestBatchOwnership:
                 assert not await ledger.owns_attempt(b, lapsed, "me", 0.0)
         assert not await ledger.owns_attempt(c, unheld, "me", 30.0)
         assert await ledger.owns_attempt(c, unheld, "me", 0.0)  # held all the same, as begun
-        # b's hold is still the one its owner took: 5 s, not a renewal's 60.
+        # b's hold is still the one its owner took: 20 s, not a renewal's 60.
         assert not await ledger.owns_attempt(b, theirs, "them", 30.0)
 
 
@@ -315,10 +316,13 @@ class TestSettlingATakenBatch:
     async def test_only_the_owner_writes_the_outcome(self, every_settlement: Backend) -> None:
         ledger = every_settlement.ledger
         names = ["r-1", "r-2", "r-3", "r-4"]
-        run = (await discovered_run(every_settlement, names)
-               if every_settlement.embedded is not None
-               else (await transported_run(ledger, names))[0])
+        if every_settlement.embedded is not None:
+            run = await discovered_run(every_settlement, names)
+            deliveries = await every_settlement.queue.receive(4, 60)
+        else:
+            run, deliveries = await transported_run(ledger, names)
         ids = [op.id for op in await ledger.list_operations(run.id, None, None, 10)]
+        delivery = {d.message.operation_id: d for d in deliveries}
         # A hold of a hundredth of a second: the sender stalls past it.
         begun = await ledger.begin_attempts([(i, "sender") for i in ids[:3]], "delete", 0.01)
         [alone] = await ledger.begin_attempts([(ids[3], "sender")], "delete", 0.01)
@@ -334,9 +338,12 @@ class TestSettlingATakenBatch:
             return Settlement(ids[i], target, None, attempt_id=attempts[i], outcome=verdict,
                               detail=f"by {owner}", batch_id="b-1", owner=owner)
 
-        # The stalled sender's answer comes first for r-1: not written, r-1 is still the
-        # taker's; then the taker's is.
-        await ledger.settle([outcome(0, "sender", OpState.DELETED, "deleted")])
+        # The stalled sender's answer comes first for r-1: not written, its message not
+        # acked (the taker settles on the ledger alone: the message must come back to
+        # move on what it writes), r-1 still the taker's; then the taker's is written.
+        late = await ledger.settle([replace(outcome(0, "sender", OpState.DELETED, "deleted"),
+                                            delivery=delivery[ids[0]])])
+        assert late == Settled([], frozenset({ids[0]}))
         op = await ledger.get_operation(ids[0])
         assert op is not None
         assert op.state is OpState.IN_FLIGHT

@@ -34,7 +34,17 @@ from supervisor.errors import (
 )
 from supervisor.ledger.base import LedgerStore
 from supervisor.ledger.settings import LedgerConfig
-from supervisor.model import Backlog, Delivery, Disposition, Message, Operation, Published, Run, Settlement
+from supervisor.model import (
+    Backlog,
+    Delivery,
+    Disposition,
+    Message,
+    Operation,
+    Published,
+    Run,
+    Settled,
+    Settlement,
+)
 from supervisor.postgres import sql as pg_sql
 from supervisor.postgres.database import PgDatabase
 from supervisor.postgres.ledger import PostgresLedger
@@ -536,7 +546,8 @@ class TestLedgerContract:
         leftover = await ledger.settle([Settlement(
             op_id, OpState.DELETED, delivery, Disposition.ACK, attempt_id=attempt, status=204,
             outcome="deleted", detail="HTTP 204")])
-        assert leftover == []  # the queue is in this database: nothing left for a transport
+        assert leftover.leftovers == []  # the queue is in this database: none for a transport
+        assert leftover.refused == frozenset()
         assert await stats_of(queue) == (0, 0, 0)  # acked in the settlement's commit
         assert await queue.receive(10, 60) == []
         op = await operation(ledger, op_id)
@@ -570,7 +581,7 @@ class TestLedgerContract:
         left = await ledger.settle(settlements)
         # The ack and the retry are the transport's, after this commit; a kept lease and a
         # settlement without a delivery are nothing to it.
-        assert left == settlements[:2]
+        assert left == Settled(settlements[:2])
         states = {op.recipient_id: (op.state, op.attempts)
                   for op in (await ledger.get_operations(
                       [d.message.operation_id for d in (da, db_, dc, dd)])).values()}
@@ -593,7 +604,7 @@ class TestLedgerContract:
                        attempt_id=a2, status=429, outcome="throttled", detail="HTTP 429",
                        refund_attempt=True),
         ])
-        assert left == []
+        assert left.leftovers == []
         assert await stats_of(queue) == (0, 1, 1)
         op1 = await operation(ledger, d1.message.operation_id)
         assert (op1.state, op1.attempts) == (OpState.RETRY_WAIT, 1)
@@ -656,8 +667,8 @@ class TestLedgerContract:
         results = await asyncio.gather(*(ledger.settle([Settlement(
             d.message.operation_id, OpState.DELETED, d, Disposition.ACK)])
             for d in (da, db_, dc)), return_exceptions=True)
-        assert results[0] == []
-        assert results[2] == []
+        assert results[0] == Settled([])
+        assert results[2] == Settled([])
         assert isinstance(results[1], IllegalTransition)
         assert ledger.healthy
         assert await ledger.run_counts(run.id) == {OpState.DELETED: 3}
@@ -940,7 +951,7 @@ class TestLedgerContract:
         await ledger.note_received([d], 60)
         attempt = await ledger.begin_attempt(op_id, "delete", owner=d.receipt, busy_s=30)
         s = Settlement(op_id, OpState.AMBIGUOUS, d, attempt_id=attempt, outcome="ambiguous")
-        assert await ledger.settle([s]) == [s]  # the transport acks it
+        assert await ledger.settle([s]) == Settled([s])  # the transport acks it
         assert await ledger.finish_runs() == [run.id]
         assert await ledger.record_evidence(op_id, "probe", OpState.QUEUED, "present again",
                                             "probe HTTP 200", status=200) is True
@@ -1001,9 +1012,9 @@ class TestLedgerContract:
         assert got.receives == 1
         attempt = await ledger.begin_attempt(m.operation_id, "delete", owner="receipt-1",
                                              busy_s=30)
-        [left] = await ledger.settle([Settlement(
+        [left] = (await ledger.settle([Settlement(
             m.operation_id, OpState.RETRY_WAIT, delivery, Disposition.RETRY, delay_s=0.3,
-            attempt_id=attempt, status=503, outcome="transient", detail="HTTP 503")])
+            attempt_id=attempt, status=503, outcome="transient", detail="HTTP 503")])).leftovers
         assert left.delivery == delivery  # the transport must still ack it: after commit
         now = time.time()
         assert await ledger.overdue(0, now, 10) == []  # not due yet

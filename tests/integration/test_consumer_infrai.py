@@ -160,7 +160,7 @@ async def test_a_crash_between_commit_and_ack_redelivers_and_is_acked_without_a_
     attempt = await rig.ledger.begin_attempt(op_id, "delete", owner=d.receipt, busy_s=30)
     leftover = await rig.ledger.settle([Settlement(op_id, OpState.DELETED, d, attempt_id=attempt,
                                                    status=204, outcome="deleted")])
-    assert [s.delivery for s in leftover] == [d]  # the transport must still ack it
+    assert [s.delivery for s in leftover.leftovers] == [d]  # the transport must still ack it
     rig.emulator.advance(2)  # ... which never happens; its visibility timeout ends
     async with run_sandbox(SandboxConfig(recipients=N, absent_share=0.0,
                                          rate_per_second=0)) as sandbox:
@@ -240,9 +240,9 @@ async def test_queue_gauges_come_from_the_ledger_when_the_transport_has_none(rig
     d = held[0]
     attempt = await rig.ledger.begin_attempt(d.message.operation_id, "delete",
                                              owner=d.receipt, busy_s=30)
-    [left] = await rig.ledger.settle([Settlement(
+    [left] = (await rig.ledger.settle([Settlement(
         d.message.operation_id, OpState.RETRY_WAIT, d, Disposition.RETRY, delay_s=60,
-        attempt_id=attempt, status=503, outcome="transient")])
+        attempt_id=attempt, status=503, outcome="transient")])).leftovers
     await Courier(rig.ledger, rig.queue).follow_up([left])
     s = await rig.ledger.queue_stats()
     assert (s.depth, s.parked, s.leased) == (N - 2, 1, 1)

@@ -23,7 +23,7 @@ import pytest
 
 from supervisor.errors import OperationBusy, ReplicaFenced, ScanConflict
 from supervisor.ledger.settings import LedgerConfig
-from supervisor.model import Delivery, Event, Settlement
+from supervisor.model import Delivery, Event, Settled, Settlement
 from supervisor.postgres import connect as pgnames
 from supervisor.postgres import sql as pg_sql
 from supervisor.postgres.database import CHANNELS, PgDatabase
@@ -498,14 +498,15 @@ async def test_a_replica_declared_dead_cannot_write_over_the_one_that_took_over(
         # The stalled one's answer arrives after all: it is not written over the new
         # holder's attempt (no error either: the new holder decides).
         assert await stalled.ledger.settle([Settlement(
-            op_id, OpState.DELETED, d, attempt_id=mine, status=204, outcome="deleted")]) == []
+            op_id, OpState.DELETED, d, attempt_id=mine, status=204,
+            outcome="deleted")]) == Settled([], frozenset({op_id}))
         op = await new.ledger.get_operation(op_id)
         assert op is not None
         assert op.state is OpState.IN_FLIGHT
         assert [a.outcome for a in await new.ledger.attempts(op_id)] == ["unknown", None]
         assert await new.ledger.settle([Settlement(
             op_id, OpState.DELETED, again, attempt_id=theirs, status=204,
-            outcome="deleted")]) == []
+            outcome="deleted")]) == Settled([])
         op = await new.ledger.get_operation(op_id)
         assert op is not None
         assert op.state is OpState.DELETED

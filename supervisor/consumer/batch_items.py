@@ -4,6 +4,7 @@ tells it how its item ended (done, another action, or round again in the next ba
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from supervisor.consumer.decide import Action
@@ -42,3 +43,7 @@ class Item:
         if self.done is not None and not self.done.done():
             self.done.set_result(result)
 
+
+def claims(items: Sequence[Item]) -> list[tuple[str, int, str]]:
+    """The holds to check or renew for a batch's items."""
+    return [c for it in items if (c := it.claim) is not None]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from supervisor.batch.verdicts import Ruling, refused_whole
 from supervisor.budget.base import Grant, RateBudget
 from supervisor.config import Config
-from supervisor.consumer.batch_items import AGAIN, Again, Item, Result
+from supervisor.consumer.batch_items import AGAIN, Again, Item, Result, claims
 from supervisor.consumer.decide import Action, Rules, decide
 from supervisor.consumer.settler import Settler
 from supervisor.ledger.base import Ledger
@@ -151,7 +151,9 @@ class BatchRecovery:
         items = [Item(ops[m.operation_id], None, attempt_id=m.attempt_id,
                       held_until=held_until, owner=owner if m.outcome is None else None)
                  for m in members]
-        grant = await self.budget.acquire(self._cost(len(items)))
+        # The wait for the token may be long (a pause): the holds are renewed through it.
+        async with self.owned.holding(claims(items)):
+            grant = await self.budget.acquire(self._cost(len(items)))
         lost = await self._lost_holding(items, grant)
         if lost:
             # Taken over while it waited for its token (this replica declared dead): the

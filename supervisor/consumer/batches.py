@@ -34,7 +34,7 @@ from supervisor.batchsettings import BatchConfig
 from supervisor.budget.base import Admission, Feedback, Grant, Outcome, RateBudget
 from supervisor.budget.pair import TwoLimits
 from supervisor.config import Config
-from supervisor.consumer.batch_items import AGAIN, Again, Item
+from supervisor.consumer.batch_items import AGAIN, Again, Item, claims
 from supervisor.consumer.batch_recovery import BatchRecovery, Resolution
 from supervisor.consumer.decide import Action, Do, Rules, busy
 from supervisor.consumer.executor import LOST_RETRY_S, Phase, Phases
@@ -224,11 +224,11 @@ class BatchSender(BatchRecovery):
     async def _lost(self, members: list[Item]) -> set[str]:
         """The check right before the request leaves (supervisor/ownership.py): the
         members whose attempt is no longer their delivery's (or their sender's)."""
-        claims = _claims(members)
+        held = claims(members)
         if not self.ledger.peers_may_take_over and all(
                 it.held_until > time.time() + self.owned.cover_s for it in members):
             return set()  # one process: no hold with time left can have been lost
-        return {c[0] for c in claims} - await self.owned.still_owned(claims)
+        return {c[0] for c in held} - await self.owned.still_owned(held)
 
     async def _guarded_open(self, admission: Admission,
                             items: list[Item]) -> tuple[Batch, list[Item]] | None:
@@ -369,7 +369,7 @@ class BatchSender(BatchRecovery):
                 # new batch (a new key could not be deduplicated). Its holds are renewed
                 # through the backoff and the wait for the next token (a pause may
                 # outlast any hold), so that no one takes it over meanwhile.
-                async with self.owned.holding(_claims(items)):
+                async with self.owned.holding(claims(items)):
                     await asyncio.sleep(backoff(self.config.partner, tries))
                     grant_taken = await self.budget.acquire(cost)
                 continue
@@ -487,7 +487,7 @@ class BatchSender(BatchRecovery):
 
         # The probes may take long (a delay, then one token each): the holds are renewed
         # until they end, so no one takes the items over while the answer is read.
-        async with self.owned.holding(_claims(items)):
+        async with self.owned.holding(claims(items)):
             if self.batch.probe_delay_seconds > 0:
                 await asyncio.sleep(self.batch.probe_delay_seconds)
             return list(await asyncio.gather(*(probe(it) for it in items)))
@@ -544,10 +544,6 @@ class BatchSender(BatchRecovery):
             task.cancel("shutdown")
         if pending:
             await asyncio.wait(pending)
-
-
-def _claims(items: Sequence[Item]) -> list[tuple[str, int, str]]:
-    return [c for it in items if (c := it.claim) is not None]
 
 
 def _for_item(batch_id: str, whole: Answer) -> Answer:

@@ -193,7 +193,7 @@ class JobPoller:
         messages were acked when it was submitted)."""
         if not rulings:
             return
-        await self.ledger.settle([
+        done = await self.ledger.settle([
             Settlement(operation_id=m.operation_id, target=r.target, delivery=None,
                        disposition=Disposition.KEEP, reason=r.reason,
                        attempt_id=m.attempt_id, status=r.answer.status,
@@ -202,6 +202,8 @@ class JobPoller:
             for m, r in rulings])
         again = []
         for m, r in rulings:
+            if m.operation_id in done.refused:
+                continue  # another attempt decides it: nothing counted, nothing sent
             metrics.BATCH_ITEMS.labels(r.answer.verdict.value).inc()
             if r.target in SETTLED:
                 metrics.count_settled(r.target.value)

@@ -519,10 +519,15 @@ class BatchSender(BatchRecovery):
                 status=r.answer.status, outcome=r.answer.verdict.value,
                 detail=r.answer.detail, refund_attempt=r.refund, batch_id=batch.id,
                 owner=claim[2] if (claim := it.claim) is not None else None))
+        refused = await self.settler.settle_many(settlements)
+        for it, r in rulings:
+            if it.op.id in refused:
+                # Another owner decides it (its batch taken again): its worker is done
+                # here, its message left to its lease.
+                it.resolve(None)
+                continue
             metrics.BATCH_ITEMS.labels(r.answer.verdict.value).inc()
-        await self.settler.settle_many(settlements)
-        if resolve:
-            for it, r in rulings:
+            if resolve:
                 it.resolve(AGAIN if r.again else None)
 
     async def pump_jobs(self) -> None:

@@ -48,8 +48,9 @@ class Settler:
         except asyncio.CancelledError:
             await asyncio.wait([commit])
             if disposition is Disposition.ACK and not _refused(commit, op.id):
-                # Settled, its ack not sent: it comes back and is acked on sight; a copy
-                # handed back now would only be one more.
+                # Settled (or the commit failed: nothing written), its ack not sent: it
+                # comes back and is acked on sight, or decided again; a copy handed back
+                # now would only be one more.
                 self.moved.add(delivery.receipt)
             raise
         if op.id in done.refused:
@@ -66,11 +67,12 @@ class Settler:
             self.settled += 1
             self._on_settled()
 
-    async def settle_many(self, settlements: Sequence[Settlement]) -> None:
+    async def settle_many(self, settlements: Sequence[Settlement]) -> frozenset[str]:
         """A batch's outcomes (supervisor/consumer/batches.py), then what their messages
         still need; as :meth:`settle`, no commit is torn. Each is its own settlement: one
         refused (settled meanwhile by a recovery) must not undo the others' outcomes,
-        which would be resent. SQLite joins them in one group commit all the same."""
+        which would be resent. SQLite joins them in one group commit all the same.
+        Returns the operations whose outcome was refused."""
         commit = asyncio.ensure_future(self._each(settlements))
         try:
             done = await asyncio.shield(commit)
@@ -91,6 +93,7 @@ class Settler:
                 metrics.count_settled(s.target.value)
                 self.settled += 1
                 self._on_settled()
+        return done.refused
 
     async def _each(self, settlements: Sequence[Settlement]) -> Settled:
         done = await asyncio.gather(*(self.ledger.settle([s]) for s in settlements),

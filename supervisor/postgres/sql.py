@@ -342,8 +342,9 @@ OWNS_ATTEMPTS = (
     " AND a.outcome IS NULL)"
     f" AND EXISTS (SELECT 1 FROM replicas r WHERE r.id = $4 AND r.heartbeat_at > {DB_NOW} - $6)"
 )
+# A renewal never shortens a hold (a batch taken again is held for its token wait too).
 KEEP_ATTEMPT = (
-    f"UPDATE operations o SET busy_until = {DB_NOW} + $5 WHERE {_OWNED}"
+    f"UPDATE operations o SET busy_until = GREATEST(o.busy_until, {DB_NOW} + $5) WHERE {_OWNED}"
     f" AND o.busy_until > {DB_NOW}"
 )
 

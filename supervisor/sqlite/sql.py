@@ -421,7 +421,9 @@ OWNS_ATTEMPTS = (
     " WHERE a.id = json_extract(c.value, '$[1]') AND a.operation_id = o.id"
     " AND a.outcome IS NULL)"
 )
-KEEP_ATTEMPT = f"UPDATE operations SET busy_until = :busy_until WHERE {_OWNED}"
+# A renewal never shortens a hold (a batch taken again is held for its token wait too).
+KEEP_ATTEMPT = (
+    f"UPDATE operations SET busy_until = MAX(busy_until, :busy_until) WHERE {_OWNED}")
 # A redelivery found the last attempt unfinished: its outcome is unknown for good.
 HAS_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE operation_id = ? AND outcome IS NULL LIMIT 1"
 # A batch's attempts in one executemany (sqlite/ledger.py, begin_attempts).

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import IllegalTransition
-from supervisor.model import Disposition, Run, Settlement
+from supervisor.model import Disposition, Run, Settled, Settlement
 from supervisor.queue.courier import Courier
 from supervisor.sqlite.database import Database
 from supervisor.sqlite.ledger import SqliteLedger
@@ -95,8 +95,8 @@ async def test_concurrent_settlements_share_one_batch_and_only_an_illegal_one_fa
         await asyncio.sleep(0)  # all three queued behind the held batch, as one batch
         commits = await release()
     results = await asyncio.gather(*settles, return_exceptions=True)
-    assert results[0] == []
-    assert results[2] == []
+    assert results[0] == Settled([])
+    assert results[2] == Settled([])
     assert isinstance(results[1], IllegalTransition)
     assert db.commits == commits + 1  # one group commit for all three
     counts = await ledger.run_counts(run.id)

@@ -58,7 +58,9 @@ async def test_a_refused_outcome_is_not_counted_nor_its_message_moved(
                           attempt_id=attempt, status=200, outcome="deleted",
                           batch_id="b-1", owner=d.receipt)
 
-    await settler.settle_many([late(d, a) for d, a in zip(ds[:2], attempts, strict=True)])
+    refused = await settler.settle_many([late(d, a)
+                                         for d, a in zip(ds[:2], attempts, strict=True)])
+    assert refused == {d.message.operation_id for d in ds[:2]}
     op = await ledger.get_operation(ds[2].message.operation_id)
     assert op is not None
     await settler.settle(ds[2], op, OpState.DELETED, None, mine)
@@ -66,8 +68,8 @@ async def test_a_refused_outcome_is_not_counted_nor_its_message_moved(
     assert settler.moved == set()  # a shutdown now hands them back
     assert await stats_of(queue) == (0, 0, 3)  # none acked: each waits out its lease
     # The taker's outcomes are written and counted.
-    await settler.settle_many([Settlement(
+    assert await settler.settle_many([Settlement(
         d.message.operation_id, OpState.DELETED, None, Disposition.KEEP, attempt_id=a,
         status=200, outcome="deleted", batch_id="b-1", owner="taker")
-        for d, a in zip(ds[:2], attempts, strict=True)])
+        for d, a in zip(ds[:2], attempts, strict=True)]) == frozenset()
     assert (settler.settled, len(seen), _deleted() - before) == (2, 2, 2)

@@ -70,42 +70,41 @@ class Settler:
     async def settle_many(self, settlements: Sequence[Settlement]) -> frozenset[str]:
         """A batch's outcomes (supervisor/consumer/batches.py), then what their messages
         still need; as :meth:`settle`, no commit is torn. Each is its own settlement: one
-        refused (settled meanwhile by a recovery) must not undo the others' outcomes,
-        which would be resent. SQLite joins them in one group commit all the same.
-        Returns the operations whose outcome was refused."""
-        commit = asyncio.ensure_future(self._each(settlements))
+        refused (settled meanwhile by a recovery) or failed must not undo the others'
+        outcomes, which would be resent, nor leave them uncounted and their messages
+        unmoved. SQLite joins them in one group commit all the same. Returns the
+        operations whose outcome was refused; raises the first failure, after the rest
+        are followed up."""
+        commit = asyncio.ensure_future(asyncio.gather(
+            *(self.ledger.settle([s]) for s in settlements), return_exceptions=True))
         try:
-            done = await asyncio.shield(commit)
+            results: list[Settled | BaseException] = await asyncio.shield(commit)
         except asyncio.CancelledError:
             await asyncio.wait([commit])
-            for s in settlements:
+            for s, r in zip(settlements, commit.result(), strict=True):
+                refused = isinstance(r, Settled) and s.operation_id in r.refused
                 if s.delivery is not None and s.disposition is Disposition.ACK \
-                        and not _refused(commit, s.operation_id):
-                    self.moved.add(s.delivery.receipt)
+                        and not refused:
+                    self.moved.add(s.delivery.receipt)  # as in settle
             raise
-        written = [s for s in settlements if s.operation_id not in done.refused]
+        done = [r for r in results if isinstance(r, Settled)]
+        written = [s for s, r in zip(settlements, results, strict=True)
+                   if isinstance(r, Settled) and s.operation_id not in r.refused]
         for s in written:
             if s.delivery is not None and s.disposition is not Disposition.KEEP:
                 self.moved.add(s.delivery.receipt)
-        await self.courier.follow_up(done.leftovers)
+        await self.courier.follow_up([s for r in done for s in r.leftovers])
         for s in written:
             if s.target in SETTLED:
                 metrics.count_settled(s.target.value)
                 self.settled += 1
                 self._on_settled()
-        return done.refused
-
-    async def _each(self, settlements: Sequence[Settlement]) -> Settled:
-        done = await asyncio.gather(*(self.ledger.settle([s]) for s in settlements),
-                                    return_exceptions=True)
-        failed = [r for r in done if isinstance(r, BaseException)]
+        failed = [r for r in results if isinstance(r, BaseException)]
         for exc in failed:
             log.warning("a batch item's outcome was not written: %s", exc)
         if failed:
             raise failed[0]
-        each = [r for r in done if not isinstance(r, BaseException)]
-        return Settled([s for r in each for s in r.leftovers],
-                       frozenset().union(*(r.refused for r in each)))
+        return frozenset().union(*(r.refused for r in done))
 
     async def defer(self, delivery: Delivery, delay_s: float) -> None:
         """Publish the message again for ``delay_s`` from now and ack this copy; a

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from supervisor.consumer.settler import Settler
+from supervisor.errors import IllegalTransition
 from supervisor.model import Batch, Delivery, Disposition, Settlement
 from supervisor.queue.courier import Courier
 from supervisor.states import OpState
@@ -73,3 +74,27 @@ async def test_a_refused_outcome_is_not_counted_nor_its_message_moved(
         status=200, outcome="deleted", batch_id="b-1", owner="taker")
         for d, a in zip(ds[:2], attempts, strict=True)]) == frozenset()
     assert (settler.settled, len(seen), _deleted() - before) == (2, 2, 2)
+
+
+async def test_one_outcome_failing_leaves_the_others_counted_and_moved(
+        backend: Backend) -> None:
+    ledger, queue = backend.ledger, backend.queue
+    await discovered_run(backend, ["r-1", "r-2", "r-3"])
+    ds = await queue.receive(3, 60)
+    seen: list[int] = []
+    settler = Settler(ledger, Courier(ledger, queue), lambda: seen.append(1))
+    attempts = [await ledger.begin_attempt(d.message.operation_id, "delete",
+                                           owner=d.receipt, busy_s=30) for d in ds]
+    # r-2 was settled meanwhile (by a probe, say): settling it again is illegal.
+    await ledger.record_evidence(ds[1].message.operation_id, "probe", OpState.ALREADY_ABSENT,
+                                 "absent", "probe HTTP 404", status=404)
+    with pytest.raises(IllegalTransition):
+        await settler.settle_many([Settlement(
+            d.message.operation_id, OpState.DELETED, d, Disposition.ACK, attempt_id=a,
+            status=200, outcome="deleted", owner=d.receipt)
+            for d, a in zip(ds, attempts, strict=True)])
+    # The two written are counted, their messages acked in their commits and marked
+    # moved; the failed one's is not.
+    assert (settler.settled, len(seen)) == (2, 2)
+    assert settler.moved == {ds[0].receipt, ds[2].receipt}
+    assert await stats_of(queue) == (0, 0, 1)

@@ -523,8 +523,10 @@ class BatchSender(BatchRecovery):
         for it, r in rulings:
             if it.op.id in refused:
                 # Another owner decides it (its batch taken again): its worker is done
-                # here, its message left to its lease.
-                it.resolve(None)
+                # here, its message left to its lease (an item split into a new batch
+                # instead finds its operation held when it begins).
+                if resolve:
+                    it.resolve(None)
                 continue
             metrics.BATCH_ITEMS.labels(r.answer.verdict.value).inc()
             if resolve:

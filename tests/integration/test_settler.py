@@ -14,7 +14,9 @@ from prometheus_client import REGISTRY
 
 from supervisor.consumer.settler import Settler
 from supervisor.errors import IllegalTransition
+from supervisor.ledger.base import LedgerStore
 from supervisor.model import Batch, Delivery, Disposition, Settlement
+from supervisor.queue.base import Queue
 from supervisor.queue.courier import Courier
 from supervisor.states import OpState
 from tests.contract.test_ledger import Backend, discovered_run, open_backend, stats_of
@@ -30,13 +32,19 @@ def _deleted() -> float:
     return REGISTRY.get_sample_value("cleanup_operations_total", {"outcome": "deleted"}) or 0.0
 
 
-async def test_a_refused_outcome_is_not_counted_nor_its_message_moved(
-        backend: Backend) -> None:
+async def _three_received(
+        backend: Backend) -> tuple[LedgerStore, Queue, list[Delivery], Settler, list[int]]:
+    """Three operations received, and a settler that notes each one settled."""
     ledger, queue = backend.ledger, backend.queue
     await discovered_run(backend, ["r-1", "r-2", "r-3"])
-    ds = await queue.receive(3, 60)
     seen: list[int] = []
-    settler = Settler(ledger, Courier(ledger, queue), lambda: seen.append(1))
+    return (ledger, queue, await queue.receive(3, 60),
+            Settler(ledger, Courier(ledger, queue), lambda: seen.append(1)), seen)
+
+
+async def test_a_refused_outcome_is_not_counted_nor_its_message_moved(
+        backend: Backend) -> None:
+    ledger, queue, ds, settler, seen = await _three_received(backend)
     # r-1, r-2: a batch whose holds ran out, taken again by another sender.
     begun = await ledger.begin_attempts([(d.message.operation_id, d.receipt)
                                          for d in ds[:2]], "delete", 0.01)
@@ -78,11 +86,7 @@ async def test_a_refused_outcome_is_not_counted_nor_its_message_moved(
 
 async def test_one_outcome_failing_leaves_the_others_counted_and_moved(
         backend: Backend) -> None:
-    ledger, queue = backend.ledger, backend.queue
-    await discovered_run(backend, ["r-1", "r-2", "r-3"])
-    ds = await queue.receive(3, 60)
-    seen: list[int] = []
-    settler = Settler(ledger, Courier(ledger, queue), lambda: seen.append(1))
+    ledger, queue, ds, settler, seen = await _three_received(backend)
     attempts = [await ledger.begin_attempt(d.message.operation_id, "delete",
                                            owner=d.receipt, busy_s=30) for d in ds]
     # r-2 was settled meanwhile (by a probe, say): settling it again is illegal.

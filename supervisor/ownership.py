@@ -32,15 +32,15 @@ class Ownership:
     """The token wait of one worker's written attempt, and the check after it."""
 
     def __init__(self, ledger: Ledger, budget: RateBudget, cover_s: float,
-                 slack_s: float = BUSY_SLACK_S, renew_s: float | None = None) -> None:
+                 slack_s: float = BUSY_SLACK_S) -> None:
         self.ledger = ledger
         self.budget = budget
         # What a request takes at most by its own timeouts: its hold must outlast that.
         self.cover_s = cover_s
         self.slack_s = slack_s
         self.busy_s = cover_s + slack_s
-        # Half the slack by default: a renewal may come that late and the hold still last.
-        self.renew_s = renew_s if renew_s is not None else slack_s / 2
+        # A hold is renewed every half slack: a renewal may come that late and still last.
+        self.renew_s = slack_s / 2
 
     async def token(self, admission: Admission, owner: str, op_id: str,
                     attempt_id: int) -> tuple[Grant | None, str | None]:

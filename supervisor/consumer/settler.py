@@ -31,50 +31,34 @@ class Settler:
                      answer: Answer | None = None, *,
                      disposition: Disposition = Disposition.ACK, delay_s: float = 0.0,
                      refund: bool = False) -> None:
-        settlement = Settlement(
+        """One delivery's outcome (supervisor/consumer/executor.py), as :meth:`settle_many`.
+        It names no owner: a lone attempt is closed, never carried on, when another
+        delivery takes its operation, and that is what refuses a late outcome."""
+        refused = await self.settle_many([Settlement(
             operation_id=op.id, target=target, delivery=delivery, disposition=disposition,
             delay_s=delay_s, reason=reason, attempt_id=attempt_id,
             status=answer.status if answer else None,
             outcome=answer.verdict.value if answer else None,
-            detail=answer.detail if answer else None, refund_attempt=refund,
-            # Its attempt was begun held by this delivery (executor.py).
-            owner=delivery.receipt if attempt_id is not None else None)
-        # The commit must not be torn by a shutdown cancelling this worker: it runs in a
-        # task of its own, awaited to the end either way. What the transport still needs
-        # after it may be cut short (a lost ack is redelivered and acked on sight).
-        commit = asyncio.ensure_future(self.ledger.settle([settlement]))
-        try:
-            done = await asyncio.shield(commit)
-        except asyncio.CancelledError:
-            await asyncio.wait([commit])
-            if disposition is Disposition.ACK and not _refused(commit, op.id):
-                # Settled (or the commit failed: nothing written), its ack not sent: it
-                # comes back and is acked on sight, or decided again; a copy handed back
-                # now would only be one more.
-                self.moved.add(delivery.receipt)
-            raise
-        if op.id in done.refused:
-            return  # not this delivery's to decide: its message is left to its lease
-        if disposition is not Disposition.KEEP:
-            self.moved.add(delivery.receipt)
-        await self.courier.follow_up(done.leftovers)
-        if log.isEnabledFor(logging.DEBUG):
+            detail=answer.detail if answer else None, refund_attempt=refund)])
+        if not refused and log.isEnabledFor(logging.DEBUG):
             log.debug("operation %s -> %s (%s)", op.id, target.value,
                       answer.detail if answer else reason,
                       extra={"operation_id": op.id, "run_id": op.run_id, "action": "settle"})
-        if target in SETTLED:
-            metrics.count_settled(target.value)
-            self.settled += 1
-            self._on_settled()
 
     async def settle_many(self, settlements: Sequence[Settlement]) -> frozenset[str]:
-        """A batch's outcomes (supervisor/consumer/batches.py), then what their messages
-        still need; as :meth:`settle`, no commit is torn. Each is its own settlement: one
-        refused (settled meanwhile by a recovery) or failed must not undo the others'
-        outcomes, which would be resent, nor leave them uncounted and their messages
-        unmoved. SQLite joins them in one group commit all the same. Returns the
-        operations whose outcome was refused; raises the first failure, after the rest
-        are followed up."""
+        """Outcomes, each its own settlement, then what their messages still need.
+
+        One refused (another attempt or owner decides it) or failed must not undo the
+        others' outcomes, which would be resent, nor leave them uncounted and their
+        messages unmoved; SQLite joins them in one group commit all the same. A refused
+        one is not counted and its message not moved: it is left to its lease. Returns
+        the operations whose outcome was refused; raises the first failure, after the
+        rest are followed up.
+
+        No commit is torn by a shutdown cancelling the caller: they run in a task of their
+        own, awaited to the end either way. What the transport still needs after them may
+        be cut short (a lost ack is redelivered and acked on sight).
+        """
         commit = asyncio.ensure_future(asyncio.gather(
             *(self.ledger.settle([s]) for s in settlements), return_exceptions=True))
         try:
@@ -85,7 +69,10 @@ class Settler:
                 refused = isinstance(r, Settled) and s.operation_id in r.refused
                 if s.delivery is not None and s.disposition is Disposition.ACK \
                         and not refused:
-                    self.moved.add(s.delivery.receipt)  # as in settle
+                    # Settled (or the commit failed: nothing written), its ack not sent:
+                    # it comes back and is acked on sight, or decided again; a copy
+                    # handed back now would only be one more.
+                    self.moved.add(s.delivery.receipt)
             raise
         done = [r for r in results if isinstance(r, Settled)]
         written = [s for s, r in zip(settlements, results, strict=True)
@@ -100,8 +87,8 @@ class Settler:
                 self.settled += 1
                 self._on_settled()
         failed = [r for r in results if isinstance(r, BaseException)]
-        for exc in failed:
-            log.warning("a batch item's outcome was not written: %s", exc)
+        for exc in failed[1:]:  # the first is raised, and reported by the caller
+            log.warning("an outcome was not written: %s", exc)
         if failed:
             raise failed[0]
         return frozenset().union(*(r.refused for r in done))
@@ -123,8 +110,3 @@ class Settler:
         if delivery.receipt not in self.moved:
             await asyncio.shield(self.courier.hand_back(delivery))
 
-
-def _refused(commit: asyncio.Future[Settled], operation_id: str) -> bool:
-    """Whether a commit that ran to its end refused the operation's outcome."""
-    return (not commit.cancelled() and commit.exception() is None
-            and operation_id in commit.result().refused)

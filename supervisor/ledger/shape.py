@@ -33,6 +33,27 @@ OPERATION_SETTLED = "operation.settled"
 RUN_FINISHED = "run.finished"
 
 
+def finish_attempt(mark: str, text: str = "", returning: bool = False) -> str:
+    """An attempt's outcome, written only while the attempt is open and no other owner
+    than the one that sent it holds its operation: a batch taken again carries on the
+    same attempt under its taker (ledger/batches.py, take_batch), so only the owner tells
+    the two senders apart. No row changed (or none back) means refused.
+
+    Parameters: 1 now, 2 status, 3 outcome, 4 detail, 5 the attempt, 6 the owner that
+    sent it (NULL: not checked; an owner of '' is none). ``text`` casts 6 where the
+    dialect cannot type a bare NULL.
+    """
+    def p(n: int) -> str:
+        return f"{mark}{n}"
+
+    return (
+        f"UPDATE attempts SET finished_at = {p(1)}, status = {p(2)}, outcome = {p(3)}, "
+        f"detail = {p(4)} WHERE id = {p(5)} AND outcome IS NULL AND ({p(6)}{text} IS NULL "
+        "OR NOT EXISTS (SELECT 1 FROM operations o WHERE o.id = attempts.operation_id "
+        f"AND o.owner NOT IN ('', {p(6)})))" + (" RETURNING id" if returning else "")
+    )
+
+
 @functools.cache
 def transition(target: OpState, guard_busy: bool, mark: str, clock: str = "",
                holder: bool = False, returning: bool = True) -> str:

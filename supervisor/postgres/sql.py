@@ -364,15 +364,9 @@ INSERT_EVIDENCE = (
     "INSERT INTO attempts (operation_id, n, kind, started_at, finished_at, status, outcome, "
     "detail) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
 )
-# No row back: the attempt was already closed (taken over by another replica), or $6
-# names who sent it and another owner holds its operation now (a batch found again
-# carries on the same attempt under its taker: only the owner tells them apart).
-FINISH_ATTEMPT = (
-    "UPDATE attempts SET finished_at = $1, status = $2, outcome = $3, detail = $4 "
-    "WHERE id = $5 AND outcome IS NULL AND ($6::text IS NULL OR NOT EXISTS ("
-    " SELECT 1 FROM operations o WHERE o.id = attempts.operation_id"
-    " AND o.owner NOT IN ('', $6))) RETURNING id"
-)
+# No row back: the attempt was already closed (taken over by another replica), or
+# another owner holds its operation now.
+FINISH_ATTEMPT = shape.finish_attempt("$", text="::text", returning=True)
 HAS_OPEN_ATTEMPT = "SELECT 1 FROM attempts WHERE operation_id = $1 AND outcome IS NULL LIMIT 1"
 # The same for many operations (a batch's), in one statement.
 CLOSE_OPEN_ATTEMPTS_OF = (

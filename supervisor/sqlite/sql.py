@@ -396,15 +396,7 @@ INSERT_EVIDENCE = (
 INSERT_ATTEMPT = (
     "INSERT INTO attempts (operation_id, n, kind, started_at) VALUES (?, ?, ?, ?) RETURNING id"
 )
-# Refused (no row changed) when the attempt is closed, or when ?6 names who sent it and
-# another owner holds its operation now: a batch found again carries on the same attempt
-# under its taker (ledger/batches.py, take_batch), so only the owner tells them apart.
-FINISH_ATTEMPT = (
-    "UPDATE attempts SET finished_at = ?1, status = ?2, outcome = ?3, detail = ?4 "
-    "WHERE id = ?5 AND outcome IS NULL AND (?6 IS NULL OR NOT EXISTS ("
-    " SELECT 1 FROM operations o WHERE o.id = attempts.operation_id"
-    " AND o.owner NOT IN ('', ?6)))"
-)
+FINISH_ATTEMPT = shape.finish_attempt("?")
 # The attempt is still the one holding the operation in flight, for long enough.
 _OWNED = (
     "id = :id AND state = 'in_flight' AND owner = :owner AND busy_until > :until AND EXISTS ("

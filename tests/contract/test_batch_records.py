@@ -193,10 +193,11 @@ class TestBatchOwnership:
         ledger = backend.ledger
         run = await discovered_run(backend, ["a", "b", "c"])
         a, b, c = (op.id for op in await ledger.list_operations(run.id, None, None, 10))
-        # Holds of 60 s, renewed every 20 ms: a renewal shows as a hold far longer than
-        # the 20 s each attempt was begun with, whatever the host's pace.
-        owned = Ownership(ledger, LocalBudget(LimitsConfig(), key="p"), cover_s=0.0,
-                          slack_s=60.0, renew_s=0.02)
+        # Holds of 60 s (a request's bound of 60 s, a slack of 40 ms), renewed every
+        # 20 ms: a renewal shows as a hold far longer than the 20 s each attempt was
+        # begun with, whatever the host's pace.
+        owned = Ownership(ledger, LocalBudget(LimitsConfig(), key="p"), cover_s=60.0,
+                          slack_s=0.04)
         held = await ledger.begin_attempt(a, "delete", owner="me", busy_s=20.0)
         unheld = await ledger.begin_attempt(c, "delete", owner="me", busy_s=20.0)
         # b's hold ran out and another owner took it before the sender got to it.

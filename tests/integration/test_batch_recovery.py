@@ -30,9 +30,10 @@ from supervisor.sqlite.queue import SqliteQueue
 from supervisor.states import OpState
 
 N = 3
-# The budget's pause: longer than a taken batch's hold (the request's bound of 1 s, the
-# slack of 0.5 s and the wait for one token behind the others in the air).
-PAUSE_S = 4.0
+# The budget's pause: twice a taken batch's hold (the request's bound of 1 s, the slack
+# of 2 s and the wait for one token behind the others in the air). Renewed every second
+# (half the slack), a hold outlasts any stall of the host shorter than 2 s.
+PAUSE_S = 6.0
 
 
 async def test_a_taken_batch_keeps_its_holds_through_a_long_pause(db: Database) -> None:
@@ -65,7 +66,7 @@ async def test_a_taken_batch_keeps_its_holds_through_a_long_pause(db: Database) 
         await partner.start()
         try:
             owned = Ownership(ledger, budget, cover_s=config.partner.request_bound_seconds,
-                              slack_s=0.5)
+                              slack_s=2.0)
             settler = Settler(ledger, courier, lambda: None)
             sender = BatchSender(config, ledger, budget, partner, courier, settler,
                                  Rules.of(config, queue.capabilities), {}, owned)

@@ -17,6 +17,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests.helpers import eventually
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 try:
@@ -56,7 +58,13 @@ async def test_nginx_limits_in_front_of_the_partner(cell: str) -> None:
                                    headers={**auth, "Idempotency-Key": f"op-{n}"}) as resp:
                 await resp.read()
                 answers.append((resp.status, resp.headers.get("Retry-After")))
-        stats = await partner.stats()
+
+        async def logged() -> dict[str, int] | None:
+            # nginx logs a request after it has answered it: a refusal counts once logged.
+            stats = await partner.stats()
+            return stats if stats["gateway_refused"] else None
+
+        stats = await eventually(logged, 10.0, "nginx's log line of its refusal")
         async with http.get(f"{partner.url}/_sandbox/requests", headers=auth) as resp:
             arrived = await resp.json()
 

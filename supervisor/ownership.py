@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 from supervisor import metrics
 from supervisor.budget.base import Admission, Feedback, Grant, Outcome, RateBudget
@@ -23,6 +23,7 @@ from supervisor.errors import StorageError
 from supervisor.ledger.base import Ledger
 
 log = logging.getLogger(__name__)
+
 
 # An attempt's hold beyond its request's own timeouts.
 BUSY_SLACK_S = 5.0
@@ -95,28 +96,59 @@ class Ownership:
             [c for c, k in zip(short, kept, strict=True) if k], self.cover_s)
 
     @contextlib.asynccontextmanager
-    async def holding(self, claims: Sequence[tuple[str, int, str]]) -> AsyncIterator[None]:
+    async def holding(self, claims: Sequence[tuple[str, int, str]]) -> AsyncIterator[Held]:
         """While the body runs (a backoff and the wait for the next token, the probes that
         read a batch's answer), each claim's hold is renewed every half slack, as a
         written attempt's is while it waits for its first token: it never runs out under
         a sender still working on it, and a hold another owner took is never taken back
-        (the renewal is the owner's only)."""
+        (the renewal is the owner's only). A claim found taken is given up, and the
+        body's wait for a token may end there (:meth:`acquire_held`)."""
+        held = Held()
+
         async def renew() -> None:
             # At once first: the check before sending left a hold as short as a request's
             # bound, and the request may have used all of it.
-            while True:
-                await asyncio.gather(*(self._keep(op_id, attempt, owner)
-                                       for op_id, attempt, owner in claims))
+            mine = list(claims)
+            while mine:
+                kept = await asyncio.gather(*(self._keep(op_id, attempt, owner)
+                                              for op_id, attempt, owner in mine))
+                held.give_up(c[0] for c, k in zip(mine, kept, strict=True) if not k)
+                mine = [c for c, k in zip(mine, kept, strict=True) if k]
                 await asyncio.sleep(self.renew_s)
 
         task = asyncio.create_task(renew(), name="holds-renewed") if claims else None
         try:
-            yield
+            yield held
         finally:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    async def acquire_held(self, held: Held, cost: int,
+                           after_s: float = 0.0) -> Grant | None:
+        """A token for ``cost`` after ``after_s`` of backoff, or None as soon as one of
+        ``held``'s claims is lost: a batch that can no longer go does not sit out a
+        pause (which may last an hour) for a token it would hand back. Cancellation
+        takes nothing."""
+        async def backoff_then_token() -> Grant | None:
+            await asyncio.sleep(after_s)
+            return await self.budget.acquire(cost)
+
+        waiting = asyncio.ensure_future(backoff_then_token())
+        lost = asyncio.ensure_future(held.any_lost.wait())
+        try:
+            await asyncio.wait([waiting, lost], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            await self._abandon(waiting)
+            raise
+        finally:
+            lost.cancel()
+        if waiting.done():
+            return waiting.result()
+        await self._abandon(waiting)
+        metrics.ATTEMPTS_NOT_SENT.inc(len(held.lost))  # the caller says which and why
+        return None
 
     @staticmethod
     def _not_sent(op_id: str, why: str) -> tuple[None, str]:
@@ -139,3 +171,18 @@ class Ownership:
             grant = waiting.result()
             if grant is not None:
                 self.budget.release(grant, Feedback(Outcome.OTHER))
+
+
+
+class Held:
+    """What :meth:`Ownership.holding` found of its claims: the operations another owner
+    has taken meanwhile, whose requests must never be sent by this one."""
+
+    def __init__(self) -> None:
+        self.lost: set[str] = set()
+        self.any_lost = asyncio.Event()
+
+    def give_up(self, operation_ids: Iterable[str]) -> None:
+        self.lost.update(operation_ids)
+        if self.lost:
+            self.any_lost.set()

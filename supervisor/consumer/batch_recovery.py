@@ -151,10 +151,11 @@ class BatchRecovery:
         items = [Item(ops[m.operation_id], None, attempt_id=m.attempt_id,
                       held_until=held_until, owner=owner if m.outcome is None else None)
                  for m in members]
-        # The wait for the token may be long (a pause): the holds are renewed through it.
-        async with self.owned.holding(claims(items)):
-            grant = await self.budget.acquire(self._cost(len(items)))
-        lost = await self._lost_holding(items, grant)
+        # The wait for the token may be long (a pause): the holds are renewed through it,
+        # and it ends early if one of them is taken meanwhile.
+        async with self.owned.holding(claims(items)) as held:
+            grant = await self.owned.acquire_held(held, self._cost(len(items)))
+        lost = held.lost if grant is None else await self._lost_holding(items, grant)
         if lost:
             # Taken over while it waited for its token (this replica declared dead): the
             # taker decides; it is never sent twice.

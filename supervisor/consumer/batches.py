@@ -368,10 +368,14 @@ class BatchSender(BatchRecovery):
                 # It may have acted: the same batch again under the same key, never a
                 # new batch (a new key could not be deduplicated). Its holds are renewed
                 # through the backoff and the wait for the next token (a pause may
-                # outlast any hold), so that no one takes it over meanwhile.
-                async with self.owned.holding(claims(items)):
-                    await asyncio.sleep(backoff(self.config.partner, tries))
-                    grant_taken = await self.budget.acquire(cost)
+                # outlast any hold), so that no one takes it over meanwhile; one taken
+                # all the same (this replica declared dead) ends the wait.
+                async with self.owned.holding(claims(items)) as held:
+                    grant_taken = await self.owned.acquire_held(
+                        held, cost, backoff(self.config.partner, tries))
+                if grant_taken is None:
+                    await self._left_to_takers(batch, items, held.lost, answer)
+                    return
                 continue
             await self._conclude(_Sent(batch, items, answer, ids_refused))
             return
@@ -380,12 +384,18 @@ class BatchSender(BatchRecovery):
                           answer: BatchAnswer | None) -> bool:
         """Before a batch whose answer was lost goes again: True when a member's hold was
         lost meanwhile (a long run of timeouts outlasts a hold; a peer found the batch
-        and took it), and then nothing is sent. The members still held settle on the
-        last answer; the others are their taker's, whose attempt this is now."""
+        and took it), and then nothing is sent."""
         lost = await self._lost_holding(items, grant)
         if not lost:
             return False
         assert answer is not None, "a batch goes again only after an answer"
+        await self._left_to_takers(batch, items, lost, answer)
+        return True
+
+    async def _left_to_takers(self, batch: Batch, items: list[Item], lost: set[str],
+                              answer: BatchAnswer) -> None:
+        """The members still held settle on the last answer; the others are their
+        taker's, whose attempt this is now."""
         log.warning("batch %s not sent again: %d of its %d holds were lost while it waited "
                     "to; whoever took them decides those", batch.id, len(lost), len(items),
                     extra={"action": "attempt_not_sent"})
@@ -395,7 +405,6 @@ class BatchSender(BatchRecovery):
         for it in items:
             if it.op.id in lost:
                 it.resolve(AGAIN)
-        return True
 
     # -- what the answer makes of each item --------------------------------------------
 

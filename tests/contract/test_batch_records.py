@@ -21,7 +21,7 @@ from tests.contract.test_ledger import (
     open_backend,
     transported_run,
 )
-from tests.helpers import eventually
+from tests.helpers import eventually, still_waiting
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -218,6 +218,39 @@ class TestBatchOwnership:
         assert await ledger.owns_attempt(c, unheld, "me", 0.0)  # held all the same, as begun
         # b's hold is still the one its owner took: 20 s, not a renewal's 60.
         assert not await ledger.owns_attempt(b, theirs, "them", 30.0)
+
+    async def test_a_wait_for_a_token_ends_once_a_hold_is_found_taken(
+            self, backend: Backend) -> None:
+        """A batch waiting through a pause for the token it would go again with stops
+        waiting when one of its holds turns out to be another owner's: it could not go."""
+        from supervisor.budget.base import Feedback, Outcome
+        from supervisor.budget.local import LocalBudget
+        from supervisor.budget.settings import LimitsConfig
+        from supervisor.ownership import Ownership
+
+        ledger = backend.ledger
+        run = await discovered_run(backend, ["a", "b"])
+        a, b = (op.id for op in await ledger.list_operations(run.id, None, None, 10))
+        budget = LocalBudget(LimitsConfig(rate_per_second=10), key="p")
+        owned = Ownership(ledger, budget, cover_s=60.0, slack_s=0.04)
+        # The partner said to wait an hour: no token comes before then.
+        budget.release(await budget.acquire(1),
+                       Feedback(Outcome.THROTTLED, 0.01, retry_after_s=3600))
+        held = await ledger.begin_attempt(a, "delete", owner="me", busy_s=20.0)
+        lapsed = await ledger.begin_attempt(b, "delete", owner="me", busy_s=0.01)
+        await asyncio.sleep(0.05)  # a hold is a deadline on a clock: let it pass
+        await ledger.begin_attempts([(b, "them")], "delete", 20.0)
+
+        async with owned.holding([(a, held, "me")]) as mine:
+            waiting = asyncio.create_task(owned.acquire_held(mine, 1))
+            assert await still_waiting(waiting, 0.3)  # renewed, and no token before the hour
+            waiting.cancel()
+            await asyncio.wait([waiting])
+        async with owned.holding([(a, held, "me"), (b, lapsed, "me")]) as mine:
+            async with asyncio.timeout(30):  # not the hour
+                assert await owned.acquire_held(mine, 1, after_s=0.01) is None
+        assert mine.lost == {b}
+        assert await ledger.owns_attempt(a, held, "me", 30.0)  # a's hold kept all along
 
 
 class TestBatchClosing:

@@ -129,8 +129,9 @@ class Ownership:
                            after_s: float = 0.0) -> Grant | None:
         """A token for ``cost`` after ``after_s`` of backoff, or None as soon as one of
         ``held``'s claims is lost: a batch that can no longer go does not sit out a
-        pause (which may last an hour) for a token it would hand back. Cancellation
-        takes nothing."""
+        pause (up to the budget's longest) for a token it would hand back. A renewal
+        refused because this replica's heartbeat is late counts as lost, as in
+        :meth:`token`: a peer may be declaring it dead. Cancellation takes nothing."""
         async def backoff_then_token() -> Grant | None:
             await asyncio.sleep(after_s)
             return await self.budget.acquire(cost)
@@ -144,8 +145,9 @@ class Ownership:
             raise
         finally:
             lost.cancel()
-        if waiting.done():
+        if waiting.done() and not held.lost:
             return waiting.result()
+        # Lost, the token perhaps come in the same instant: it goes back unused.
         await self._abandon(waiting)
         metrics.ATTEMPTS_NOT_SENT.inc(len(held.lost))  # the caller says which and why
         return None

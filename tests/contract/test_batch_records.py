@@ -233,7 +233,7 @@ class TestBatchOwnership:
         a, b = (op.id for op in await ledger.list_operations(run.id, None, None, 10))
         budget = LocalBudget(LimitsConfig(rate_per_second=10), key="p")
         owned = Ownership(ledger, budget, cover_s=60.0, slack_s=0.04)
-        # The partner said to wait an hour: no token comes before then.
+        # The partner said to wait an hour (the budget waits its longest, 15 minutes).
         budget.release(await budget.acquire(1),
                        Feedback(Outcome.THROTTLED, 0.01, retry_after_s=3600))
         held = await ledger.begin_attempt(a, "delete", owner="me", busy_s=20.0)
@@ -243,11 +243,11 @@ class TestBatchOwnership:
 
         async with owned.holding([(a, held, "me")]) as mine:
             waiting = asyncio.create_task(owned.acquire_held(mine, 1))
-            assert await still_waiting(waiting, 0.3)  # renewed, and no token before the hour
+            assert await still_waiting(waiting, 0.3)  # renewed, no token before the pause ends
             waiting.cancel()
             await asyncio.wait([waiting])
         async with owned.holding([(a, held, "me"), (b, lapsed, "me")]) as mine:
-            async with asyncio.timeout(30):  # not the hour
+            async with asyncio.timeout(30):  # not the pause
                 assert await owned.acquire_held(mine, 1, after_s=0.01) is None
         assert mine.lost == {b}
         assert await ledger.owns_attempt(a, held, "me", 30.0)  # a's hold kept all along

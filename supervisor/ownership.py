@@ -24,7 +24,6 @@ from supervisor.ledger.base import Ledger
 
 log = logging.getLogger(__name__)
 
-
 # An attempt's hold beyond its request's own timeouts.
 BUSY_SLACK_S = 5.0
 
@@ -173,7 +172,6 @@ class Ownership:
             grant = waiting.result()
             if grant is not None:
                 self.budget.release(grant, Feedback(Outcome.OTHER))
-
 
 
 class Held:

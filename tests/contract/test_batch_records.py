@@ -223,6 +223,7 @@ class TestBatchOwnership:
             self, backend: Backend) -> None:
         """A batch waiting through a pause for the token it would go again with stops
         waiting when one of its holds turns out to be another owner's: it could not go."""
+        from supervisor import metrics
         from supervisor.budget.base import Feedback, Outcome
         from supervisor.budget.local import LocalBudget
         from supervisor.budget.settings import LimitsConfig
@@ -246,10 +247,12 @@ class TestBatchOwnership:
             assert await still_waiting(waiting, 0.3)  # renewed, no token before the pause ends
             waiting.cancel()
             await asyncio.wait([waiting])
+        not_sent = metrics.ATTEMPTS_NOT_SENT._value.get()
         async with owned.holding([(a, held, "me"), (b, lapsed, "me")]) as mine:
             async with asyncio.timeout(30):  # not the pause
                 assert await owned.acquire_held(mine, 1, after_s=0.01) is None
         assert mine.lost == {b}
+        assert metrics.ATTEMPTS_NOT_SENT._value.get() - not_sent == 1  # b's, counted once
         assert await ledger.owns_attempt(a, held, "me", 30.0)  # a's hold kept all along
 
 

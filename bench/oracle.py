@@ -16,11 +16,21 @@ token (or a sliding second) cannot absorb. The oracle's time for a scenario is w
 client pacing at r needs, following the scenario's changes scaled by r / R and its pauses
 unchanged (``Scenario.oracle_s``); each row's ``ratio vs oracle`` is its time over that.
 
+A long cell (the article's 18,400 at 20/s) needs more: over a quarter of an hour a strict
+partner meets the host's jitter now and then at any pace a short trial finds clean, and a
+client that knows the limit still pays each refusal's pause. ``--whole`` runs that client:
+the scenario's whole N at each of ``--paces``, a refused request sent again at the end, and
+every 429's ``Retry-After`` honoured (departures wait, then the schedule starts afresh from
+the end of the pause; a bare 429 asks for no pause and gets none). The fastest of those
+whole runs is the cell's oracle time for that N, which a row of the same N is measured
+against instead of N over the short trial's pace.
+
 Measured once per (cell, R) and kept in bench/out/oracle.json (with the N it was measured
 with: a full run does not reuse a ``--quick`` one's shorter measurement; ``--remeasure``
 measures again). ``make bench`` measures the cells it has no entry for.
 
 Usage: python bench/oracle.py [--cells a,b] [--rate R] [--quick] [--remeasure] [--n N]
+       python bench/oracle.py --whole --cells bucket-1 --rate 20 --n 18400 --paces 19.5,19.25
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -42,6 +53,8 @@ from matrix import Cell, select_cells
 from paths import OUT
 from processes import Partner, cpu_s, sandbox
 from scenario import Result, Scenario
+
+from supervisor.httputil import parse_retry_after
 
 ORACLE_FILE = OUT / "oracle.json"
 STEP = 0.005  # each failed trial paces this share of R slower
@@ -55,6 +68,7 @@ SPIN_S = 0.003
 START_DELAY_S = 0.05  # t0 is this far after the schedule is set up
 WARM_UP = True
 WARM_UP_GAP_S = 1.05  # > 1 s: past a sliding second and the fixed second it fell in
+MAX_PAUSE_S = 60.0  # a whole run honours no Retry-After longer than this (nonsense)
 
 
 def key(cell: str, partner_rate: float) -> str:
@@ -112,6 +126,55 @@ async def _send_all(ids: Sequence[str], rate: float, t0: float, slots: asyncio.S
         await asyncio.sleep(0)
 
 
+class Schedule:
+    """Departures at anchor + k / rate; a pause moves the anchor to its end and restarts k.
+
+    A whole run (``--whole``) uses it: a refused request goes to the back of the line, and
+    its ``Retry-After`` holds every later departure, as the partner asked."""
+
+    def __init__(self, rate: float, t0: float) -> None:
+        self.rate, self.anchor, self.k = rate, t0, 0
+        self.resume_at = 0.0
+        self.paused_s = 0.0
+
+    def pause_until(self, t: float) -> None:
+        self.resume_at = max(self.resume_at, t)
+
+    def due(self) -> float:
+        due = self.anchor + self.k / self.rate
+        if self.resume_at > due:
+            self.paused_s += self.resume_at - due
+            self.anchor, self.k = self.resume_at, 0
+            due = self.anchor
+        return due
+
+    def sent(self) -> None:
+        self.k += 1
+
+
+async def _send_honouring(ids: Sequence[str], schedule: Schedule, slots: asyncio.Semaphore,
+                          one: Callable[[float, str], Coroutine[Any, Any, None]],
+                          tasks: set[asyncio.Task[None]], again: deque[str]) -> None:
+    """Every ID until each has an answer other than 429, paced by ``schedule``."""
+    line = deque(ids)
+    while line or again or tasks:
+        if not line and not again:
+            await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
+            continue
+        await slots.acquire()
+        due = schedule.due()
+        await _until(due)
+        if schedule.resume_at > due:  # a 429 came back while this one waited
+            slots.release()
+            continue
+        rid = line.popleft() if line else again.popleft()
+        task = asyncio.create_task(one(due, rid))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        schedule.sent()
+        await asyncio.sleep(0)
+
+
 async def _list_ids(http: aiohttp.ClientSession, partner: Partner) -> list[str]:
     ids: list[str] = []
     cursor: str | None = None
@@ -129,19 +192,22 @@ async def _list_ids(http: aiohttp.ClientSession, partner: Partner) -> list[str]:
 
 
 async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str],
-               rate: float, stop_on_429: bool = True) -> dict[str, Any]:
-    """DELETE ``ids`` at t0 + k / rate; what came back, and how late the departures were."""
+               rate: float, stop_on_429: bool = True, whole: bool = False) -> dict[str, Any]:
+    """DELETE ``ids`` at t0 + k / rate; what came back, and how late the departures were.
+    ``whole``: every ID to the end, a refused one sent again after the pause it asked for."""
     slots = asyncio.Semaphore(CONCURRENCY)
     first_429: list[float] = []
     statuses: dict[int, int] = {}
     late: list[float] = []
     tasks: set[asyncio.Task[None]] = set()
+    again: deque[str] = deque()
     auth = f"Bearer {partner.token}"
     run = uuid.uuid4()
+    schedule: Schedule | None = None
 
     async def one(due: float, rid: str) -> None:
         late.append(time.perf_counter() - due)
-        status = 0
+        status, pause = 0, None
         try:
             async with http.delete(f"{partner.api_url}/recipients/{quote(rid, safe='')}",
                                    headers={"Authorization": auth,
@@ -149,6 +215,8 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
                                    ) as resp:
                 await resp.read()
                 status = resp.status
+                pause = parse_retry_after(resp.headers.get("Retry-After"), time.time(),
+                                          MAX_PAUSE_S)
         except aiohttp.ClientError:
             status = 0
         finally:
@@ -156,12 +224,20 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
         statuses[status] = statuses.get(status, 0) + 1
         if status == 429 and not first_429:
             first_429.append(time.perf_counter() - t0)
+        if schedule is not None and status in (0, 429):
+            again.append(rid)
+            if pause:
+                schedule.pause_until(time.perf_counter() + pause)
 
     gc.collect()
     gc.disable()  # a collection in the middle of a spin would be a late departure
     cpu0, t0 = time.process_time(), time.perf_counter() + START_DELAY_S
     try:
-        await _send_all(ids, rate, t0, slots, one, tasks, first_429, stop_on_429)
+        if whole:
+            schedule = Schedule(rate, t0)
+            await _send_honouring(ids, schedule, slots, one, tasks, again)
+        else:
+            await _send_all(ids, rate, t0, slots, one, tasks, first_429, stop_on_429)
     finally:
         gc.enable()
     if tasks:
@@ -169,6 +245,7 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
     wall = time.perf_counter() - t0
     return {"rate": rate, "sent": len(late), "statuses": {str(k): v for k, v in statuses.items()},
             "first_429_s": first_429[0] if first_429 else None, "wall_s": wall,
+            "paused_s": schedule.paused_s if schedule is not None else None,
             "cpu_share": (time.process_time() - cpu0) / wall if wall > 0 else None,
             "late_p50_ms": _ms(percentile(late, 0.5)), "late_p99_ms": _ms(percentile(late, 0.99)),
             "late_max_ms": _ms(max(late, default=None))}
@@ -188,8 +265,10 @@ async def _keep_warm(partner: Partner, seconds: float) -> None:
         await asyncio.sleep(0.02)
 
 
-async def trial(cell: Cell, partner_rate: float, rate: float, n: int) -> dict[str, Any]:
-    """One trial on a fresh partner process: N paced at ``rate``; ok when no 429 at all."""
+async def trial(cell: Cell, partner_rate: float, rate: float, n: int,
+                whole: bool = False) -> dict[str, Any]:
+    """One trial on a fresh partner process: N paced at ``rate``; ok when no 429 at all
+    (``whole``: every ID answered, its 429s honoured and sent again; see ``pace``)."""
     sc = Scenario("oracle", "oracle", n=n, partner_rate=partner_rate, ceiling=rate, cell=cell,
                   matrix=True)
     connector = aiohttp.TCPConnector(limit=CONCURRENCY + 2)
@@ -207,15 +286,43 @@ async def trial(cell: Cell, partner_rate: float, rate: float, n: int) -> dict[st
                                    headers={"Authorization": f"Bearer {partner.token}"}) as r:
                 await r.read()
             await _keep_warm(partner, WARM_UP_GAP_S)
-        result = await asyncio.wait_for(pace(http, partner, ids, rate), n / rate * 1.5 + 30)
+        result = await asyncio.wait_for(pace(http, partner, ids, rate, whole=whole),
+                                        n / rate * 1.5 + 30)
         stats = await partner.stats()
         result["partner_cpu_s"] = cpu_s(partner.pid)
     result.update(n=len(ids), partner_requests=stats.get("requests"),
-                  partner_429=stats.get("rate_limited"))
+                  partner_429=stats.get("rate_limited"),
+                  partner_requests_in_announced_wait=stats.get("requests_during_announced_wait"))
     answered = sum(v for k, v in result["statuses"].items() if k in ("204", "404", "200"))
-    result["ok"] = (not stats.get("rate_limited") and result["first_429_s"] is None
+    result["ok"] = ((whole or (not stats.get("rate_limited") and result["first_429_s"] is None))
                     and answered == len(ids))
     return result
+
+
+async def measure_whole(cell: Cell, partner_rate: float, n: int,
+                        paces: Sequence[float]) -> dict[str, Any]:
+    """Whole runs of N at each pace, 429s honoured: the fastest is the oracle's time."""
+    runs = []
+    for rate in paces:
+        t = await trial(cell, partner_rate, rate, n, whole=True)
+        runs.append(t)
+        print(f"  oracle {cell.name:<12} R={partner_rate:g} r={rate:g}, whole run of {n:,}: "
+              f"{t['wall_s']:.1f} s, {t.get('partner_429') or 0} 429s, paused "
+              f"{t.get('paused_s') or 0:.1f} s (late p99 {t['late_p99_ms']} ms)"
+              + ("" if t["ok"] else f", failed {t['statuses']}"), file=sys.stderr, flush=True)
+    return whole_entry(n, runs)
+
+
+def whole_entry(n: int, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the cache keeps of whole runs of N: each, and the fastest that finished."""
+    done = [t for t in runs if t.get("ok")]
+    best = min(done, key=lambda t: float(t["wall_s"])) if done else None
+    return {"n": n, "runs": [{k: t.get(k) for k in ("rate", "wall_s", "partner_429",
+                                                      "paused_s", "late_p99_ms", "ok")}
+                             for t in runs],
+            "wall_s": best["wall_s"] if best else None, "rate": best["rate"] if best else None,
+            "partner_429": best.get("partner_429") if best else None,
+            "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 async def measure(cell: Cell, partner_rate: float, n: int,
@@ -260,6 +367,13 @@ def save_cache(entries: dict[str, dict[str, Any]]) -> None:
     ORACLE_FILE.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
 
 
+def keep_whole(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """A cell measured again keeps its whole runs (measured apart, and far longer)."""
+    if old and old.get("whole") and old.get("cell") == new.get("cell"):
+        new["whole"] = old["whole"]
+    return new
+
+
 def usable(entry: dict[str, Any] | None, cell: Cell, n: int) -> bool:
     """A cached entry serves when it was measured on this shape with at least this N."""
     return (entry is not None and entry.get("cell") == cell.as_dict()
@@ -286,7 +400,8 @@ async def ensure(cells: Sequence[Cell], partner_rate: float, n: int,
     for cell in todo:
         print(f"oracle: measuring {cell.name} at R = {partner_rate:g}/s, N = {n:,}",
               file=sys.stderr, flush=True)
-        cache[key(cell.name, partner_rate)] = await measure(cell, partner_rate, n)
+        k = key(cell.name, partner_rate)
+        cache[k] = keep_whole(cache.get(k), await measure(cell, partner_rate, n))
         save_cache(cache)  # after each cell: an interrupted run keeps what it measured
     return {c.name: cache[key(c.name, partner_rate)] for c in cells
             if key(c.name, partner_rate) in cache}
@@ -294,15 +409,26 @@ async def ensure(cells: Sequence[Cell], partner_rate: float, n: int,
 
 def attach(results: Iterable[Result], entries: dict[str, dict[str, Any]] | None = None) -> None:
     """Give each row whose (cell, R) was measured its oracle (rate, time for its
-    scenario), unless it has one; ``entries`` by ``key`` (default: the cache, so an old
-    results.json gets them)."""
+    scenario; a whole run's own time where one of the row's N was run), unless it has
+    one; ``entries`` by ``key`` (default: the cache, so an old results.json gets them)."""
     entries = load_cache() if entries is None else entries
     for r in results:
         spec = r.scenario_spec()
         if "oracle" in r.extra or spec is None or spec.unlimited:
             continue
         e = entries.get(key(r.cell, spec.partner_rate))
-        if e is None or not e.get("rate"):
+        if e is None:
+            continue
+        whole = e.get("whole") or {}
+        if whole.get("wall_s") and whole.get("n") == spec.n and not spec.events:
+            # Whole runs of this very N, their refusals paid: the oracle's own time.
+            r.extra["oracle"] = {"rate": whole["rate"], "partner_rate": spec.partner_rate,
+                                 "s": float(whole["wall_s"]), "n": spec.n, "whole": True,
+                                 "partner_429": whole.get("partner_429"),
+                                 "trials": len(whole.get("runs", ())),
+                                 "measured": whole.get("measured")}
+            continue
+        if not e.get("rate"):
             continue
         r.extra["oracle"] = {"rate": e["rate"], "partner_rate": spec.partner_rate,
                              "s": spec.oracle_s(float(e["rate"])), "n": e.get("n"),
@@ -338,16 +464,35 @@ def main() -> int:
     p.add_argument("--n", type=int, help="requests per trial (default: 30 s at R)")
     p.add_argument("--step", type=float, default=STEP, help="share of R slower per trial")
     p.add_argument("--remeasure", action="store_true", help="ignore bench/out/oracle.json")
+    p.add_argument("--whole", action="store_true",
+                   help="whole runs of N at each of --paces, 429s honoured (a long cell)")
+    p.add_argument("--paces", help="comma-separated paces per second for --whole")
     args = p.parse_args()
     cells = select_cells(args.cells)
     n = args.n or trial_n(args.rate, args.quick)
     cache = load_cache()
+    if args.whole:
+        if not args.paces:
+            p.error("--whole needs --paces (e.g. 19.5,19.25)")
+        paces = [float(v) for v in args.paces.split(",")]
+        for cell in cells:
+            k = key(cell.name, args.rate)
+            entry = asyncio.run(measure_whole(cell, args.rate, n, paces))
+            cache = load_cache()
+            cache.setdefault(k, {"cell": cell.as_dict(), "partner_rate": args.rate, "n": 0})
+            cache[k]["whole"] = entry
+            save_cache(cache)
+            print(f"{cell.name:<12} R={args.rate:g}, whole runs of {n:,}: "
+                  + (f"{entry['wall_s']:.1f} s at {entry['rate']:g}/s "
+                     f"({entry['partner_429']} 429s)" if entry["wall_s"] else "none finished"))
+        return 0
     for cell in cells:
         k = key(cell.name, args.rate)
         if args.remeasure or not usable(cache.get(k), cell, n):
             print(f"oracle: measuring {cell.name} at R = {args.rate:g}/s, N = {n:,}",
                   file=sys.stderr, flush=True)
-            cache[k] = asyncio.run(measure(cell, args.rate, n, args.step))
+            cache[k] = keep_whole(cache.get(k), asyncio.run(measure(cell, args.rate, n,
+                                                                    args.step)))
             save_cache(cache)
         print(f"{cell.name:<12} R={args.rate:g}: {describe(cache[k])}")
     shares = [cache[key(c.name, args.rate)].get("share") for c in cells]

@@ -318,6 +318,28 @@ def _trailing_counts(times: Sequence[float], grid: Sequence[float]) -> list[int]
     return [bisect.bisect_right(times, t) - bisect.bisect_right(times, t - 1.0) for t in grid]
 
 
+LEARNT_AFTER_S = 60.0  # a long run's limit is learnt by then (the first probes' span)
+
+
+def steady_pace(r: Result, after_s: float = LEARNT_AFTER_S) -> float | None:
+    """Deletions per second the partner executed from ``after_s`` to the run's last one;
+    None unless the run went on for at least four times as long after it."""
+    times = sorted(r.extra.get("executions_s") or ())
+    later = times[bisect.bisect_left(times, after_s):]
+    if len(later) < 2 or later[-1] - after_s < 4.0 * after_s:
+        return None
+    return (len(later) - 1) / (later[-1] - later[0])
+
+
+def learning_s(r: Result, after_s: float = LEARNT_AFTER_S) -> float | None:
+    """What finding the limit cost a long run, in seconds: its wall less N at the pace it
+    held once learnt (``steady_pace``). The rest of the gap to N / R is that pace's own."""
+    steady = steady_pace(r, after_s)
+    if steady is None or r.wall_s is None:
+        return None
+    return r.wall_s - r.n / steady
+
+
 def follow_delays(sc: Scenario, samples: Sequence[Sample],
                   executions_s: Sequence[float]) -> list[dict[str, Any]]:
     """For each change of the partner's rate: how long until the service followed it.

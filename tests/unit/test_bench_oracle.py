@@ -1,6 +1,8 @@
 """The bench's arithmetic for the oracle and for repeated runs (issue 20): the oracle's
 time for a scenario (its rates scaled to the oracle's pace, its pauses unchanged), a row's
-ratio against it, and how K runs of a cell become a mean, a worst run and a spread.
+ratio against it, how K runs of a cell become a mean, a worst run and a spread, and for a
+long cell the oracle's whole runs (their schedule through pauses, which one counts) and
+what learning the limit cost a run.
 
 bench/ is a folder of scripts importing each other by bare name (it is no package), so
 its directory is put on sys.path for the import and taken off again."""
@@ -17,7 +19,7 @@ sys.path.insert(0, str(BENCH))
 try:
     import oracle
     from repeats import Runs, best_cell, by_cell, worst_cell
-    from scenario import Event, Result, Scenario, new_result
+    from scenario import Event, Result, Scenario, learning_s, new_result, steady_pace
 finally:
     sys.path.remove(str(BENCH))
 
@@ -122,3 +124,93 @@ def test_a_run_without_a_ratio_makes_its_cell_the_worst() -> None:
     good = best_cell(rows)
     assert good is not None
     assert good.cell == "b"
+
+
+# -- a long cell: the oracle's whole runs, and what learning cost ----------------------------
+
+
+def test_a_whole_runs_schedule_is_absolute_until_a_pause_restarts_it_at_its_end() -> None:
+    s = oracle.Schedule(20.0, t0=100.0)
+    dues = []
+    for _ in range(3):
+        dues.append(s.due())
+        s.sent()
+    assert dues == pytest.approx([100.0, 100.05, 100.1])
+    s.pause_until(100.12)  # before the next departure (100.15): nothing moves
+    assert s.due() == pytest.approx(100.15)
+    assert s.paused_s == 0.0
+    s.pause_until(101.2)
+    assert s.due() == pytest.approx(101.2)
+    assert s.paused_s == pytest.approx(101.2 - 100.15)
+    s.sent()
+    assert s.due() == pytest.approx(101.25)  # k restarted at the pause's end
+    s.pause_until(100.5)  # an earlier end cannot shorten the pause
+    assert s.resume_at == pytest.approx(101.2)
+
+
+def _long(n: int = 18_400) -> Scenario:
+    return Scenario("article-hidden-bucket-1", "long", n=n, partner_rate=20, ceiling=40)
+
+
+def test_the_fastest_whole_run_that_finished_is_the_oracles_time() -> None:
+    runs = [{"rate": 19.5, "wall_s": 960.0, "partner_429": 9, "ok": True},
+            {"rate": 19.75, "wall_s": 950.0, "partner_429": 30, "ok": False},
+            {"rate": 19.25, "wall_s": 958.0, "partner_429": 1, "ok": True}]
+    entry = oracle.whole_entry(18_400, runs)
+    assert (entry["rate"], entry["wall_s"], entry["partner_429"]) == (19.25, 958.0, 1)
+    assert oracle.whole_entry(18_400, runs[1:2])["wall_s"] is None
+
+
+def test_a_row_of_the_whole_runs_n_is_measured_against_their_time() -> None:
+    short = {"rate": 19.5, "n": 600, "cell": {"name": "bucket-1"}}
+    whole = oracle.whole_entry(18_400, [{"rate": 19.25, "wall_s": 958.0, "partner_429": 1,
+                                         "ok": True}])
+    row = new_result(_long(), "service")
+    entries = {oracle.key(row.cell, 20.0): {**short, "whole": whole}}
+    row.wall_s = 990.0
+    oracle.attach([row], entries)
+    assert row.extra["oracle"]["whole"] is True
+    assert row.oracle_ratio == pytest.approx(990.0 / 958.0)
+    # Another N: the short trial's pace, scaled as before.
+    other = new_result(_long(6_000), "service")
+    other.wall_s = 330.0
+    oracle.attach([other], entries)
+    assert "whole" not in other.extra["oracle"]
+    assert other.extra["oracle"]["s"] == pytest.approx(6_000 / 19.5)
+
+
+def test_a_cell_measured_again_keeps_its_whole_runs() -> None:
+    cell = {"name": "bucket-1", "burst": 1}
+    whole = {"n": 18_400, "wall_s": 958.0}
+    kept = oracle.keep_whole({"cell": cell, "whole": whole}, {"cell": cell, "rate": 19.5})
+    assert kept["whole"] == whole
+    other = oracle.keep_whole({"cell": {"name": "bucket-1", "burst": 2}, "whole": whole},
+                              {"cell": cell, "rate": 19.5})
+    assert "whole" not in other
+
+
+def _ran(times: list[float], n: int, wall: float) -> Result:
+    r = new_result(_long(n), "service")
+    r.wall_s = wall
+    r.extra["executions_s"] = times
+    return r
+
+
+def test_learning_is_the_wall_less_n_at_the_pace_held_once_learnt() -> None:
+    # 10/s for the first 60 s (600), then 20/s to the end: 1,000 more over 50 s... made
+    # long enough (the pace after 60 s must be seen for 4 x 60 s): 6,000 at 20/s.
+    first = [k / 10.0 for k in range(600)]
+    then = [60.0 + k / 20.0 for k in range(6_000)]
+    r = _ran(first + then, 6_600, wall=360.0)
+    assert steady_pace(r) == pytest.approx(20.0)
+    # At 20/s from the start the 6,600 would take 330 s: learning cost the other 30.
+    assert learning_s(r) == pytest.approx(30.0)
+
+
+def test_a_run_too_short_to_show_a_held_pace_has_no_learning_figure() -> None:
+    r = _ran([k / 20.0 for k in range(1_500)], 1_500, wall=75.0)
+    assert steady_pace(r) is None
+    assert learning_s(r) is None
+    unfinished = _ran([k / 20.0 for k in range(18_400)], 18_400, wall=920.0)
+    unfinished.wall_s = None
+    assert learning_s(unfinished) is None

@@ -217,7 +217,7 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
                 status = resp.status
                 pause = parse_retry_after(resp.headers.get("Retry-After"), time.time(),
                                           MAX_PAUSE_S)
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, TimeoutError):
             status = 0
         finally:
             slots.release()
@@ -294,6 +294,7 @@ async def trial(cell: Cell, partner_rate: float, rate: float, n: int,
                   partner_429=stats.get("rate_limited"),
                   partner_requests_in_announced_wait=stats.get("requests_during_announced_wait"))
     answered = sum(v for k, v in result["statuses"].items() if k in ("204", "404", "200"))
+    result["measured"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     result["ok"] = ((whole or (not stats.get("rate_limited") and result["first_429_s"] is None))
                     and answered == len(ids))
     return result
@@ -301,27 +302,44 @@ async def trial(cell: Cell, partner_rate: float, rate: float, n: int,
 
 async def measure_whole(cell: Cell, partner_rate: float, n: int,
                         paces: Sequence[float]) -> dict[str, Any]:
-    """Whole runs of N at each pace, 429s honoured: the fastest is the oracle's time."""
-    runs = []
+    """Whole runs of N at each pace, 429s honoured: the fastest is the oracle's time.
+    Each run is kept as it ends (a quarter of an hour each), with the cell's earlier
+    whole runs of the same N and shape."""
+    k = key(cell.name, partner_rate)
+    entry: dict[str, Any] = {}
     for rate in paces:
-        t = await trial(cell, partner_rate, rate, n, whole=True)
-        runs.append(t)
+        try:
+            t = await trial(cell, partner_rate, rate, n, whole=True)
+        except TimeoutError:
+            t = {"rate": rate, "ok": False, "wall_s": None, "error": "did not finish in time"}
         print(f"  oracle {cell.name:<12} R={partner_rate:g} r={rate:g}, whole run of {n:,}: "
-              f"{t['wall_s']:.1f} s, {t.get('partner_429') or 0} 429s, paused "
-              f"{t.get('paused_s') or 0:.1f} s (late p99 {t['late_p99_ms']} ms)"
-              + ("" if t["ok"] else f", failed {t['statuses']}"), file=sys.stderr, flush=True)
-    return whole_entry(n, runs)
+              + (f"{t['wall_s']:.1f} s, {t.get('partner_429') or 0} 429s, paused "
+                 f"{t.get('paused_s') or 0:.1f} s, "
+                 f"{t.get('partner_requests_in_announced_wait') or 0} sent in an announced "
+                 f"wait (late p99 {t['late_p99_ms']} ms)" if t.get("wall_s") else t["error"])
+              + ("" if t["ok"] else f", failed {t.get('statuses')}"), file=sys.stderr, flush=True)
+        cache = load_cache()
+        old = cache.get(k) or {}
+        before = (old.get("whole") or {}) if old.get("cell") == cell.as_dict() else {}
+        earlier = before.get("runs", []) if before.get("n") == n else []
+        entry = whole_entry(n, [*earlier, t])
+        cache[k] = {**old, "cell": cell.as_dict(), "partner_rate": partner_rate,
+                    "n": old.get("n", 0), "whole": entry}
+        save_cache(cache)
+    return entry
 
 
 def whole_entry(n: int, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """What the cache keeps of whole runs of N: each, and the fastest that finished."""
     done = [t for t in runs if t.get("ok")]
     best = min(done, key=lambda t: float(t["wall_s"])) if done else None
-    return {"n": n, "runs": [{k: t.get(k) for k in ("rate", "wall_s", "partner_429",
-                                                      "paused_s", "late_p99_ms", "ok")}
-                             for t in runs],
+    return {"n": n, "runs": [{k: t.get(k) for k in (
+                "rate", "wall_s", "partner_429", "paused_s", "late_p99_ms", "ok",
+                "partner_requests_in_announced_wait", "measured")} for t in runs],
             "wall_s": best["wall_s"] if best else None, "rate": best["rate"] if best else None,
             "partner_429": best.get("partner_429") if best else None,
+            "in_announced_wait": (best.get("partner_requests_in_announced_wait")
+                                  if best else None),
             "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
@@ -425,6 +443,7 @@ def attach(results: Iterable[Result], entries: dict[str, dict[str, Any]] | None 
             r.extra["oracle"] = {"rate": whole["rate"], "partner_rate": spec.partner_rate,
                                  "s": float(whole["wall_s"]), "n": spec.n, "whole": True,
                                  "partner_429": whole.get("partner_429"),
+                                 "in_announced_wait": whole.get("in_announced_wait"),
                                  "trials": len(whole.get("runs", ())),
                                  "measured": whole.get("measured")}
             continue
@@ -476,12 +495,7 @@ def main() -> int:
             p.error("--whole needs --paces (e.g. 19.5,19.25)")
         paces = [float(v) for v in args.paces.split(",")]
         for cell in cells:
-            k = key(cell.name, args.rate)
             entry = asyncio.run(measure_whole(cell, args.rate, n, paces))
-            cache = load_cache()
-            cache.setdefault(k, {"cell": cell.as_dict(), "partner_rate": args.rate, "n": 0})
-            cache[k]["whole"] = entry
-            save_cache(cache)
             print(f"{cell.name:<12} R={args.rate:g}, whole runs of {n:,}: "
                   + (f"{entry['wall_s']:.1f} s at {entry['rate']:g}/s "
                      f"({entry['partner_429']} 429s)" if entry["wall_s"] else "none finished"))

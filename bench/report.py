@@ -190,19 +190,23 @@ def summary(groups: Sequence[tuple[Scenario, list[Result]]]) -> str:
 
 def oracle_table(results: Sequence[Result]) -> str | None:
     """The oracle's pace per cell (bench/oracle.py), from the rows that carry it."""
-    seen: dict[tuple[str, float], dict[str, Any]] = {}
+    seen: dict[tuple[str, float, int | None], dict[str, Any]] = {}
     for r in results:
         o = r.extra.get("oracle")
         if o and o.get("rate"):
-            seen.setdefault((r.cell, float(o.get("partner_rate") or 0)), o)
+            # A long cell's whole runs are an oracle of their own N, beside the short one.
+            n = o.get("n") if o.get("whole") else None
+            seen.setdefault((r.cell, float(o.get("partner_rate") or 0), n), o)
     if not seen:
         return None
     rows = [[cell, f"{rate:g}", f"{o['rate']:g}", _f(o["rate"] / rate if rate else None, ".1%"),
              _f(o.get("n"), ","), str(o.get("trials", "—")),
-             f"{o['s']:.1f} s, {o.get('partner_429') or 0} 429s" if o.get("whole") else "—",
+             (f"{o['s']:.1f} s, {o.get('partner_429') or 0} 429s, "
+              f"{o.get('in_announced_wait') or 0} sent in an announced wait")
+             if o.get("whole") else "—",
              _f(o.get("late_p99_ms"), ".2f"), _f(o.get("cpu_share"), ".1%"),
              str(o.get("measured", "—"))]
-            for (cell, rate), o in seen.items()]
+            for (cell, rate, _), o in seen.items()]
     return _md(["cell", "R /s", "oracle /s", "of R", "trial N", "trials",
                 "whole run (429s honoured)", "departures late p99 ms",
                 "oracle CPU (of a core)", "measured"], rows)

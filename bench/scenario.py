@@ -319,13 +319,19 @@ def _trailing_counts(times: Sequence[float], grid: Sequence[float]) -> list[int]
 
 
 LEARNT_AFTER_S = 60.0  # a long run's limit is learnt by then (the first probes' span)
+TAIL = 0.01  # the last deletions, retried stragglers among them, are not the held pace
 
 
 def steady_pace(r: Result, after_s: float = LEARNT_AFTER_S) -> float | None:
-    """Deletions per second the partner executed from ``after_s`` to the run's last one;
-    None unless the run went on for at least four times as long after it."""
+    """Deletions per second the partner executed from ``after_s`` until all but the
+    last ``TAIL`` of them; None for a scenario that changes the limit, or unless the run
+    went on for at least four times as long after ``after_s``."""
+    spec = r.scenario_spec()
+    if spec is not None and spec.events:
+        return None
     times = sorted(r.extra.get("executions_s") or ())
     later = times[bisect.bisect_left(times, after_s):]
+    later = later[:max(2, len(later) - int(TAIL * len(times)))]
     if len(later) < 2 or later[-1] - after_s < 4.0 * after_s:
         return None
     return (len(later) - 1) / (later[-1] - later[0])
@@ -333,7 +339,9 @@ def steady_pace(r: Result, after_s: float = LEARNT_AFTER_S) -> float | None:
 
 def learning_s(r: Result, after_s: float = LEARNT_AFTER_S) -> float | None:
     """What finding the limit cost a long run, in seconds: its wall less N at the pace it
-    held once learnt (``steady_pace``). The rest of the gap to N / R is that pace's own."""
+    held once learnt (``steady_pace``). It includes the start (the scan's first page, the
+    first request) and the end (the last answers, the run noticed done), about a second;
+    the rest of the gap to N / R is the held pace's own."""
     steady = steady_pace(r, after_s)
     if steady is None or r.wall_s is None:
         return None

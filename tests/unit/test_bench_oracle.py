@@ -205,6 +205,16 @@ def test_learning_is_the_wall_less_n_at_the_pace_held_once_learnt() -> None:
     assert steady_pace(r) == pytest.approx(20.0)
     # At 20/s from the start the 6,600 would take 330 s: learning cost the other 30.
     assert learning_s(r) == pytest.approx(30.0)
+    # Three stragglers retried a minute after the rest are not the pace that was held.
+    late = _ran(first + then[:-3] + [420.0, 421.0, 422.0], 6_600, wall=422.0)
+    assert steady_pace(late) == pytest.approx(20.0)
+
+
+def test_a_scenario_that_changes_the_limit_has_no_held_pace() -> None:
+    r = new_result(_changing(), "service")
+    r.wall_s = 400.0
+    r.extra["executions_s"] = [k / 20.0 for k in range(8_000)]
+    assert steady_pace(r) is None
 
 
 def test_a_run_too_short_to_show_a_held_pace_has_no_learning_figure() -> None:

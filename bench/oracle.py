@@ -130,12 +130,17 @@ class Schedule:
     """Departures at anchor + k / rate; a pause moves the anchor to its end and restarts k.
 
     A whole run (``--whole``) uses it: a refused request goes to the back of the line, and
-    its ``Retry-After`` holds every later departure, as the partner asked."""
+    its ``Retry-After`` holds every later departure, as the partner asked. ``guard_s``
+    holds the second departure after a pause back by that much (and the rest with it): a
+    partner idle for a whole second clocks the first arrival late and the next on time,
+    which a bucket of one refuses as a close arrival."""
 
-    def __init__(self, rate: float, t0: float) -> None:
+    def __init__(self, rate: float, t0: float, guard_s: float = 0.0) -> None:
         self.rate, self.anchor, self.k = rate, t0, 0
+        self.guard_s = guard_s
         self.resume_at = 0.0
         self.paused_s = 0.0
+        self.resumed = False
 
     def pause_until(self, t: float) -> None:
         self.resume_at = max(self.resume_at, t)
@@ -145,17 +150,27 @@ class Schedule:
         if self.resume_at > due:
             self.paused_s += self.resume_at - due
             self.anchor, self.k = self.resume_at, 0
+            self.resumed = True
             due = self.anchor
         return due
 
     def sent(self) -> None:
+        if self.k == 0 and self.resumed:
+            self.anchor += self.guard_s
         self.k += 1
+
+
+def k_bucket(k: int) -> str:
+    """Where in its stretch between pauses a refused departure was (0: the first)."""
+    return str(k) if k < 3 else "3-9" if k < 10 else "10-99" if k < 100 else "100+"
 
 
 async def _send_honouring(ids: Sequence[str], schedule: Schedule, slots: asyncio.Semaphore,
                           one: Callable[[float, str], Coroutine[Any, Any, None]],
-                          tasks: set[asyncio.Task[None]], again: deque[str]) -> None:
-    """Every ID until each has an answer other than 429, paced by ``schedule``."""
+                          tasks: set[asyncio.Task[None]], again: deque[str],
+                          k_of: dict[str, int]) -> None:
+    """Every ID until each has an answer other than 429, paced by ``schedule``; ``k_of``:
+    each ID's place in its stretch between pauses when it last left."""
     line = deque(ids)
     while line or again or tasks:
         if not line and not again:
@@ -171,6 +186,7 @@ async def _send_honouring(ids: Sequence[str], schedule: Schedule, slots: asyncio
         task = asyncio.create_task(one(due, rid))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        k_of[rid] = schedule.k
         schedule.sent()
         await asyncio.sleep(0)
 
@@ -192,7 +208,8 @@ async def _list_ids(http: aiohttp.ClientSession, partner: Partner) -> list[str]:
 
 
 async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str],
-               rate: float, stop_on_429: bool = True, whole: bool = False) -> dict[str, Any]:
+               rate: float, stop_on_429: bool = True, whole: bool = False,
+               guard_s: float = 0.0) -> dict[str, Any]:
     """DELETE ``ids`` at t0 + k / rate; what came back, and how late the departures were.
     ``whole``: every ID to the end, a refused one sent again after the pause it asked for."""
     slots = asyncio.Semaphore(CONCURRENCY)
@@ -204,6 +221,8 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
     auth = f"Bearer {partner.token}"
     run = uuid.uuid4()
     schedule: Schedule | None = None
+    k_of: dict[str, int] = {}
+    refused_k: dict[str, int] = {}
 
     async def one(due: float, rid: str) -> None:
         late.append(time.perf_counter() - due)
@@ -225,6 +244,9 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
         if status == 429 and not first_429:
             first_429.append(time.perf_counter() - t0)
         if schedule is not None and status in (0, 429):
+            if status == 429:
+                where = k_bucket(k_of.get(rid, 0))
+                refused_k[where] = refused_k.get(where, 0) + 1
             again.append(rid)
             if pause:
                 schedule.pause_until(time.perf_counter() + pause)
@@ -234,8 +256,8 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
     cpu0, t0 = time.process_time(), time.perf_counter() + START_DELAY_S
     try:
         if whole:
-            schedule = Schedule(rate, t0)
-            await _send_honouring(ids, schedule, slots, one, tasks, again)
+            schedule = Schedule(rate, t0, guard_s)
+            await _send_honouring(ids, schedule, slots, one, tasks, again, k_of)
         else:
             await _send_all(ids, rate, t0, slots, one, tasks, first_429, stop_on_429)
     finally:
@@ -246,6 +268,8 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
     return {"rate": rate, "sent": len(late), "statuses": {str(k): v for k, v in statuses.items()},
             "first_429_s": first_429[0] if first_429 else None, "wall_s": wall,
             "paused_s": schedule.paused_s if schedule is not None else None,
+            "refused_at_k": refused_k if schedule is not None else None,
+            "guard_ms": guard_s * 1000.0 if schedule is not None else None,
             "cpu_share": (time.process_time() - cpu0) / wall if wall > 0 else None,
             "late_p50_ms": _ms(percentile(late, 0.5)), "late_p99_ms": _ms(percentile(late, 0.99)),
             "late_max_ms": _ms(max(late, default=None))}
@@ -266,7 +290,7 @@ async def _keep_warm(partner: Partner, seconds: float) -> None:
 
 
 async def trial(cell: Cell, partner_rate: float, rate: float, n: int,
-                whole: bool = False) -> dict[str, Any]:
+                whole: bool = False, guard_s: float = 0.0) -> dict[str, Any]:
     """One trial on a fresh partner process: N paced at ``rate``; ok when no 429 at all
     (``whole``: every ID answered, its 429s honoured and sent again; see ``pace``)."""
     sc = Scenario("oracle", "oracle", n=n, partner_rate=partner_rate, ceiling=rate, cell=cell,
@@ -286,7 +310,8 @@ async def trial(cell: Cell, partner_rate: float, rate: float, n: int,
                                    headers={"Authorization": f"Bearer {partner.token}"}) as r:
                 await r.read()
             await _keep_warm(partner, WARM_UP_GAP_S)
-        result = await asyncio.wait_for(pace(http, partner, ids, rate, whole=whole),
+        result = await asyncio.wait_for(pace(http, partner, ids, rate, whole=whole,
+                                             guard_s=guard_s),
                                         n / rate * 1.5 + 30)
         stats = await partner.stats()
         result["partner_cpu_s"] = cpu_s(partner.pid)
@@ -301,7 +326,7 @@ async def trial(cell: Cell, partner_rate: float, rate: float, n: int,
 
 
 async def measure_whole(cell: Cell, partner_rate: float, n: int,
-                        paces: Sequence[float]) -> dict[str, Any]:
+                        paces: Sequence[float], guard_s: float = 0.0) -> dict[str, Any]:
     """Whole runs of N at each pace, 429s honoured: the fastest is the oracle's time.
     Each run is kept as it ends (a quarter of an hour each), with the cell's earlier
     whole runs of the same N and shape."""
@@ -309,14 +334,15 @@ async def measure_whole(cell: Cell, partner_rate: float, n: int,
     entry: dict[str, Any] = {}
     for rate in paces:
         try:
-            t = await trial(cell, partner_rate, rate, n, whole=True)
+            t = await trial(cell, partner_rate, rate, n, whole=True, guard_s=guard_s)
         except TimeoutError:
             t = {"rate": rate, "ok": False, "wall_s": None, "error": "did not finish in time"}
         print(f"  oracle {cell.name:<12} R={partner_rate:g} r={rate:g}, whole run of {n:,}: "
               + (f"{t['wall_s']:.1f} s, {t.get('partner_429') or 0} 429s, paused "
                  f"{t.get('paused_s') or 0:.1f} s, "
                  f"{t.get('partner_requests_in_announced_wait') or 0} sent in an announced "
-                 f"wait (late p99 {t['late_p99_ms']} ms)" if t.get("wall_s") else t["error"])
+                 f"wait, refused at place {t.get('refused_at_k')} after a pause "
+                 f"(late p99 {t['late_p99_ms']} ms)" if t.get("wall_s") else t["error"])
               + ("" if t["ok"] else f", failed {t.get('statuses')}"), file=sys.stderr, flush=True)
         cache = load_cache()
         old = cache.get(k) or {}
@@ -335,7 +361,8 @@ def whole_entry(n: int, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     best = min(done, key=lambda t: float(t["wall_s"])) if done else None
     return {"n": n, "runs": [{k: t.get(k) for k in (
                 "rate", "wall_s", "partner_429", "paused_s", "late_p99_ms", "ok",
-                "partner_requests_in_announced_wait", "measured")} for t in runs],
+                "partner_requests_in_announced_wait", "refused_at_k", "guard_ms",
+                "measured")} for t in runs],
             "wall_s": best["wall_s"] if best else None, "rate": best["rate"] if best else None,
             "partner_429": best.get("partner_429") if best else None,
             "in_announced_wait": (best.get("partner_requests_in_announced_wait")
@@ -486,6 +513,8 @@ def main() -> int:
     p.add_argument("--whole", action="store_true",
                    help="whole runs of N at each of --paces, 429s honoured (a long cell)")
     p.add_argument("--paces", help="comma-separated paces per second for --whole")
+    p.add_argument("--guard-ms", type=float, default=0.0,
+                   help="--whole: hold the second departure after a pause back this much")
     args = p.parse_args()
     cells = select_cells(args.cells)
     n = args.n or trial_n(args.rate, args.quick)
@@ -495,7 +524,8 @@ def main() -> int:
             p.error("--whole needs --paces (e.g. 19.5,19.25)")
         paces = [float(v) for v in args.paces.split(",")]
         for cell in cells:
-            entry = asyncio.run(measure_whole(cell, args.rate, n, paces))
+            entry = asyncio.run(measure_whole(cell, args.rate, n, paces,
+                                              args.guard_ms / 1000.0))
             print(f"{cell.name:<12} R={args.rate:g}, whole runs of {n:,}: "
                   + (f"{entry['wall_s']:.1f} s at {entry['rate']:g}/s "
                      f"({entry['partner_429']} 429s)" if entry["wall_s"] else "none finished"))

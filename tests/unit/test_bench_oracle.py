@@ -148,6 +148,22 @@ def test_a_whole_runs_schedule_is_absolute_until_a_pause_restarts_it_at_its_end(
     assert s.resume_at == pytest.approx(101.2)
 
 
+def test_a_guard_holds_back_the_second_departure_after_a_pause_and_the_rest_with_it() -> None:
+    s = oracle.Schedule(20.0, t0=100.0, guard_s=0.003)
+    assert s.due() == pytest.approx(100.0)
+    s.sent()
+    assert s.due() == pytest.approx(100.05)  # the run's start is no pause: no guard
+    s.sent()
+    s.pause_until(102.0)
+    assert s.due() == pytest.approx(102.0)
+    s.sent()
+    assert s.due() == pytest.approx(102.053)
+    s.sent()
+    assert s.due() == pytest.approx(102.103)
+    assert [oracle.k_bucket(k) for k in (0, 1, 2, 3, 9, 10, 99, 100)] == [
+        "0", "1", "2", "3-9", "3-9", "10-99", "10-99", "100+"]
+
+
 def _long(n: int = 18_400) -> Scenario:
     return Scenario("article-hidden-bucket-1", "long", n=n, partner_rate=20, ceiling=40)
 

@@ -109,8 +109,16 @@ class Ownership:
             # bound, and the request may have used all of it.
             mine = list(claims)
             while mine:
-                kept = await asyncio.gather(*(self._keep(op_id, attempt, owner)
-                                              for op_id, attempt, owner in mine))
+                try:
+                    kept = await asyncio.gather(*(self._keep(op_id, attempt, owner)
+                                                  for op_id, attempt, owner in mine))
+                except Exception:
+                    # Not the storage trouble _keep rides out: a fault of this process.
+                    # Renewing stops, and the check before sending decides; raised from
+                    # the exit below it would drop whatever the body holds (a token).
+                    log.exception("renewing the holds of %d attempts failed; renewal stops",
+                                  len(mine), extra={"action": "holds_renewal_failed"})
+                    return
                 held.give_up(c[0] for c, k in zip(mine, kept, strict=True) if not k)
                 mine = [c for c, k in zip(mine, kept, strict=True) if k]
                 await asyncio.sleep(self.renew_s)
@@ -165,9 +173,16 @@ class Ownership:
             return True  # cannot tell now: the check before sending decides
 
     async def _abandon(self, waiting: asyncio.Future[Grant | None]) -> None:
-        """Stop waiting for a token; one granted meanwhile is handed back unused."""
+        """Stop waiting for a token; one granted meanwhile is handed back unused.
+
+        The hand-back is the wait's own done-callback, not a step after this await: a
+        second cancellation (a shutdown's on top of a worker's) may end the await, and
+        a token dropped there would keep its concurrency slot for the process's life."""
+        waiting.add_done_callback(self._hand_back)
         waiting.cancel()
         await asyncio.wait([waiting])
+
+    def _hand_back(self, waiting: asyncio.Future[Grant | None]) -> None:
         if not waiting.cancelled() and waiting.exception() is None:
             grant = waiting.result()
             if grant is not None:

@@ -255,6 +255,29 @@ class TestBatchOwnership:
         assert metrics.ATTEMPTS_NOT_SENT._value.get() - not_sent == 1  # b's, counted once
         assert await ledger.owns_attempt(a, held, "me", 30.0)  # a's hold kept all along
 
+    async def test_a_token_come_as_its_wait_is_abandoned_goes_back_if_cancelled_again(
+            self, backend: Backend) -> None:
+        """A worker cancelled as its token came hands the token back while it stops
+        waiting; a second cancellation there (a shutdown's on top) must not drop it: the
+        budget's one slot would be gone for the life of the process."""
+        from supervisor.budget.base import Feedback, Outcome
+        from supervisor.budget.local import LocalBudget
+        from supervisor.budget.settings import LimitsConfig
+        from supervisor.ownership import Ownership
+
+        budget = LocalBudget(LimitsConfig(concurrency=1), key="p")
+        owned = Ownership(backend.ledger, budget, cover_s=60.0)
+        waiting = asyncio.ensure_future(budget.acquire(1))
+        await asyncio.wait([waiting])  # the token came: the only slot is its
+        assert waiting.result() is not None
+        abandoning = asyncio.create_task(owned._abandon(waiting))
+        await asyncio.sleep(0)  # it is in its wait for the wait to end...
+        abandoning.cancel()  # ...and cancelled there
+        await asyncio.wait([abandoning])
+        async with asyncio.timeout(10):  # a bound, not a pace: the slot is free or never
+            grant = await budget.acquire(1)
+        budget.release(grant, Feedback(Outcome.OTHER))
+
 
 class TestBatchClosing:
     @pytest.mark.parametrize("n", [2, 10, 50])

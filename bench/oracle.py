@@ -139,8 +139,7 @@ class Schedule:
         self.rate, self.anchor, self.k = rate, t0, 0
         self.guard_s = guard_s
         self.resume_at = 0.0
-        self.paused_s = 0.0
-        self.resumed = False
+        self.paused_s = 0.0  # > 0 once a pause has restarted the schedule
 
     def pause_until(self, t: float) -> None:
         self.resume_at = max(self.resume_at, t)
@@ -150,12 +149,11 @@ class Schedule:
         if self.resume_at > due:
             self.paused_s += self.resume_at - due
             self.anchor, self.k = self.resume_at, 0
-            self.resumed = True
             due = self.anchor
         return due
 
     def sent(self) -> None:
-        if self.k == 0 and self.resumed:
+        if self.k == 0 and self.paused_s > 0:
             self.anchor += self.guard_s
         self.k += 1
 

@@ -192,11 +192,15 @@ async def get_run(request: web.Request) -> web.Response:
     if wait not in (None, "done"):
         raise ApiError(400, "wait must be 'done'")
     timeout = float(_int_param(request, "timeout", 30, 0, int(MAX_WAIT_S)))
-    run = (await api.ledger.get_runs([run_id])).get(run_id)
-    if run is None:
+    # The run and its counts as one read: read apart, a run closed just before a probe
+    # queued an operation again answered "done" with that operation queued.
+    found = await api.ledger.run_with_counts(run_id)
+    if found is None:
         raise ApiError(404, f"no run {run_id}")
-    counts: Mapping[OpState, int] | None = None
+    run, counts_read = found
+    counts: Mapping[OpState, int] = counts_read
     if wait == "done" and not _done(run) and api.accepting:
+        looked = False
         # Long-poll: answered from the monitor's own read of the run (one per pass for
         # every waiter on it), woken whenever it has read, and by the start of a drain:
         # a waiting client must not hold the process past its grace period (it gets a
@@ -207,7 +211,7 @@ async def get_run(request: web.Request) -> web.Response:
                 while True:
                     changed = api.runs_changed.event()  # before looking: a later read sets it
                     if (seen := api.runs_changed.seen(run_id)) is not None:
-                        run, counts = seen.run, seen.counts
+                        run, counts, looked = seen.run, seen.counts, True
                     remaining = deadline - time.monotonic()
                     if _done(run) or not api.accepting or remaining <= 0:
                         break
@@ -216,8 +220,8 @@ async def get_run(request: web.Request) -> web.Response:
                             await changed.wait()
         except CapReached as exc:
             return _busy(exc)
-    if counts is None:  # not waited, or answered before the monitor's first read of it
-        counts = await api.ledger.run_counts(run_id)
+        if not looked and (found := await api.ledger.run_with_counts(run_id)) is not None:
+            run, counts = found  # answered before the monitor's first read of it
     view = run_view(run, counts, api.current_rate(), api.projected_finish)
     if wait == "done" and not _done(run) and not api.accepting:
         # A wait this process can no longer honour: said so, with when to ask again (of

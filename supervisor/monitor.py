@@ -106,8 +106,10 @@ class Monitor:
                 # Not for a run just done: its waiters are answered now, and with counts
                 # read after it closed (the monitor's count may predate its last settle).
                 seen[run_id] = RunSeen(run, stats.current_run_by_state, self._counted_at)
-            else:
-                seen[run_id] = RunSeen(run, await self.ledger.run_counts(run_id), now)
+            elif (found := await self.ledger.run_with_counts(run_id)) is not None:
+                # The run read again with its counts, as one: a count read after the run
+                # could hold an operation queued again after the run was seen done.
+                seen[run_id] = RunSeen(*found, now)
         self.runs_changed.publish(seen)
 
     def _count_paused(self, paused_until: float) -> None:

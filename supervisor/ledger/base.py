@@ -109,6 +109,10 @@ class Ledger(BatchRecords, Protocol):
 
     async def run_counts(self, run_id: str) -> dict[OpState, int]: ...
 
+    async def run_with_counts(self, run_id: str) -> tuple[Run, dict[OpState, int]] | None:
+        """The run (``source`` as list_runs) and its operations' counts by state, as one
+        read: a run seen done never shows an operation queued again after it closed."""
+
     async def runs_to_scan(self) -> list[Run]: ...
 
     async def record_page(self, run_id: str, recipient_ids: Sequence[str],

@@ -178,10 +178,8 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
         return rows.run(row) if row else None
 
     async def list_runs(self, limit: int, before: str | None = None) -> list[Run]:
-        if before is None:
-            found = await self._read(self._sql.SELECT_RUNS, limit)
-        else:
-            found = await self._read(self._sql.SELECT_RUNS_BEFORE, before, limit)
+        found = await (self._read(self._sql.SELECT_RUNS, limit) if before is None else
+                       self._read(self._sql.SELECT_RUNS_BEFORE, before, limit))
         return [rows.run(r, listed=True) for r in found]
 
     async def get_runs(self, run_ids: Sequence[str]) -> dict[str, Run]:
@@ -194,8 +192,11 @@ class LedgerCore(BatchBook, ABC, Generic[TxT]):
         return [rows.run(r, listed=True) for r in found]
 
     async def run_counts(self, run_id: str) -> dict[OpState, int]:
-        return {OpState(r[0]): r[1] for r in await self._read(self._sql.COUNT_RUN_STATES,
-                                                              run_id)}
+        return rows.counts(await self._read(self._sql.COUNT_RUN_STATES, run_id))
+
+    async def run_with_counts(self, run_id: str) -> tuple[Run, dict[OpState, int]] | None:
+        row = await self._read_one(self._sql.SELECT_RUN_WITH_COUNTS, run_id)
+        return (rows.run(row, listed=True), rows.counts(row[-1])) if row else None
 
     async def runs_to_scan(self) -> list[Run]:
         return [rows.run(r) for r in await self._read(self._sql.SELECT_RUNS_TO_SCAN)]

@@ -64,6 +64,7 @@ class Statements(Protocol):
     UPDATE_RUNS_DONE: str
     REOPEN_RUN: str
     COUNT_RUN_STATES: str
+    SELECT_RUN_WITH_COUNTS: str
     COUNT_AMBIGUOUS: str
     # operations
     SELECT_OPERATION: str

@@ -22,6 +22,14 @@ def run(r: Sequence[Any], listed: bool = False) -> Run:
         last_error=r[11], created_at=r[12], scan_finished_at=r[13], finished_at=r[14])
 
 
+def counts(found: Sequence[Sequence[Any]] | str | None) -> dict[OpState, int]:
+    """A run's operations by state: COUNT_RUN_STATES's rows, or the JSON object of them
+    SELECT_RUN_WITH_COUNTS reads with the run (none when the run has no operation)."""
+    if isinstance(found, str):
+        return {OpState(state): int(n) for state, n in orjson.loads(found).items()}
+    return {OpState(r[0]): int(r[1]) for r in found or ()}
+
+
 def operation(r: Sequence[Any], unfinished: bool = False, offset: float = 0.0) -> Operation:
     """An operation from OP_COLUMNS. ``offset``: how far the database's clock is ahead of
     this process's; the due time comes back on the caller's clock (a retry not yet due is

@@ -221,6 +221,12 @@ REOPEN_RUN = (
     "UPDATE runs SET state = 'draining', finished_at = NULL WHERE id = $1 AND state = 'done'"
 )
 COUNT_RUN_STATES = "SELECT state, COUNT(*) FROM operations WHERE run_id = $1 GROUP BY state"
+# The run and its counts in one statement, so one snapshot (as SQLite's).
+SELECT_RUN_WITH_COUNTS = (
+    f"SELECT {LIST_RUN_COLUMNS}, (SELECT json_object_agg(state, n) FROM ("
+    " SELECT state, COUNT(*) AS n FROM operations WHERE run_id = $1 GROUP BY state) c)::text"
+    " FROM runs WHERE id = $1"
+)
 COUNT_AMBIGUOUS = (
     "SELECT COUNT(*), COUNT(*) FILTER (WHERE due_at > updated_at) FROM operations "
     "WHERE state = 'ambiguous'"

@@ -260,6 +260,13 @@ REOPEN_RUN = (
     "UPDATE runs SET state = 'draining', finished_at = NULL WHERE id = ? AND state = 'done'"
 )
 COUNT_RUN_STATES = "SELECT state, COUNT(*) FROM operations WHERE run_id = ? GROUP BY state"
+# The run and its counts in one statement, so one snapshot: read apart, a run closed
+# before an operation was queued again showed as done with that operation queued.
+SELECT_RUN_WITH_COUNTS = (
+    f"SELECT {LIST_RUN_COLUMNS}, (SELECT json_group_object(state, n) FROM ("
+    " SELECT state, COUNT(*) AS n FROM operations WHERE run_id = ?1 GROUP BY state))"
+    " FROM runs WHERE id = ?1"
+)
 # Every second: only the unsettled (by the state index), never the whole history. An
 # inconclusive probe puts the next one off (due_at past the probe's own time): those are
 # the ambiguous operations whose last probe was inconclusive.

@@ -153,15 +153,17 @@ class StatusData:
                 self._taken_at = time.monotonic()
             return self._snapshot
 
-    async def _counts(self, run: Run) -> dict[OpState, int]:
+    async def _counted(self, run: Run) -> tuple[Run, dict[OpState, int]]:
+        """The run with its counts as one read (a count read after the run could hold an
+        operation queued again once the run was listed done)."""
         cached = self._done_counts.get(run.id)
         if run.state is RunState.DONE and cached is not None and \
                 cached.state is RunState.DONE and time.monotonic() - cached.at < DONE_COUNTS_S:
-            return cached.counts
-        counts = await self.ledger.run_counts(run.id)
+            return run, cached.counts
+        run, counts = await self.ledger.run_with_counts(run.id) or (run, {})
         if run.state is RunState.DONE:
             self._done_counts[run.id] = _Counted(counts, time.monotonic(), run.state)
-        return counts
+        return run, counts
 
     async def _compute(self) -> dict[str, Any]:
         now = self.clock()
@@ -176,8 +178,10 @@ class StatusData:
             # The monitor's counts hold while the run is as it saw it; a run closed since
             # is counted afresh, so "done" never shows next to the counts of before.
             seen = stats.current_run
-            counts = (dict(stats.current_run_by_state) if seen is not None and seen.id == r.id
-                      and seen.state is r.state else await self._counts(r))
+            if seen is not None and seen.id == r.id and seen.state is r.state:
+                counts = dict(stats.current_run_by_state)
+            else:
+                r, counts = await self._counted(r)
             summaries.append(summarize(r, counts, rate, now, self.cutoff_s,
                                        self.projected_finish))
         keep = {r.id for r in runs}

@@ -917,6 +917,27 @@ class TestLedgerContract:
         assert await ledger.attempts(op_id, 4, 10) == everything[4:]
         assert await ledger.attempts(op_id, 6, 10) == []
 
+    async def test_a_run_is_read_with_its_counts_as_they_stood_together(
+            self, backend: Backend) -> None:
+        """What the API answers a run with: done with nothing left to act on, then, once a
+        probe queued its operation again, draining with that operation queued."""
+        ledger = backend.ledger
+        run, op_id = await self._ambiguous(backend)
+        assert await ledger.finish_runs() == [run.id]
+        found = await ledger.run_with_counts(run.id)
+        assert found is not None
+        done, counts = found
+        assert (done.id, done.state, counts) == (run.id, RunState.DONE, {OpState.AMBIGUOUS: 1})
+        assert done.source == {"kind": run.source["kind"]}  # the kind, as list reads give
+        await ledger.record_evidence(op_id, "probe", OpState.QUEUED, "present again",
+                                     "probe HTTP 200", status=200)
+        found = await ledger.run_with_counts(run.id)
+        assert found is not None
+        again, counts = found
+        assert (again.state, counts) == (RunState.DRAINING, {OpState.QUEUED: 1})
+        assert counts == await ledger.run_counts(run.id)
+        assert await ledger.run_with_counts("run_nope") is None
+
     async def test_evidence_moves_an_ambiguous_operation(self, backend: Backend) -> None:
         ledger, queue = backend.ledger, backend.queue
         run, op_id = await self._ambiguous(backend)

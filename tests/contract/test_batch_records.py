@@ -278,6 +278,29 @@ class TestBatchOwnership:
             grant = await budget.acquire(1)
         budget.release(grant, Feedback(Outcome.OTHER))
 
+    async def test_a_token_come_in_the_instant_a_hold_is_lost_goes_back(
+            self, backend: Backend) -> None:
+        """The batch's token and the news that one of its holds is another owner's come
+        in the same instant: the batch cannot go, and the token goes back unused (the
+        budget's one slot would be gone for the life of the process)."""
+        from supervisor.budget.base import Feedback, Outcome
+        from supervisor.budget.local import LocalBudget
+        from supervisor.budget.settings import LimitsConfig
+        from supervisor.ownership import Held, Ownership
+
+        budget = LocalBudget(LimitsConfig(concurrency=1), key="p")
+        owned = Ownership(backend.ledger, budget, cover_s=60.0)
+        taken = await budget.acquire(1)  # the one slot is another sender's
+        held = Held()
+        waiting = asyncio.create_task(owned.acquire_held(held, 1))
+        assert await still_waiting(waiting, 0.05)  # queued for the slot
+        budget.release(taken, Feedback(Outcome.OTHER))  # the slot is its...
+        held.give_up(["b"])  # ...as it learns b is another owner's
+        assert await waiting is None
+        async with asyncio.timeout(10):  # a bound, not a pace: the slot is free or never
+            grant = await budget.acquire(1)
+        budget.release(grant, Feedback(Outcome.OTHER))
+
 
 class TestBatchClosing:
     @pytest.mark.parametrize("n", [2, 10, 50])

@@ -49,11 +49,11 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+
 from matrix import Cell, select_cells
 from paths import OUT
 from processes import Partner, cpu_s, sandbox
 from scenario import Result, Scenario
-
 from supervisor.httputil import parse_retry_after
 
 ORACLE_FILE = OUT / "oracle.json"
@@ -107,25 +107,6 @@ async def _until(due: float) -> None:
         pass
 
 
-async def _send_all(ids: Sequence[str], rate: float, t0: float, slots: asyncio.Semaphore,
-                    one: Callable[[float, str], Coroutine[Any, Any, None]],
-                    tasks: set[asyncio.Task[None]], first_429: list[float],
-                    stop_on_429: bool) -> None:
-    """Each departure at t0 + k / rate: absolute, so a late one never shifts the rest."""
-    for k, rid in enumerate(ids):
-        due = t0 + k / rate
-        await slots.acquire()
-        await _until(due)
-        if first_429 and stop_on_429:
-            slots.release()
-            return
-        task = asyncio.create_task(one(due, rid))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        # Let it reach the socket now, before this loop spins towards the next departure.
-        await asyncio.sleep(0)
-
-
 class Schedule:
     """Departures at anchor + k / rate; a pause moves the anchor to its end and restarts k.
 
@@ -163,12 +144,13 @@ def k_bucket(k: int) -> str:
     return str(k) if k < 3 else "3-9" if k < 10 else "10-99" if k < 100 else "100+"
 
 
-async def _send_honouring(ids: Sequence[str], schedule: Schedule, slots: asyncio.Semaphore,
-                          one: Callable[[float, str], Coroutine[Any, Any, None]],
-                          tasks: set[asyncio.Task[None]], again: deque[str],
-                          k_of: dict[str, int]) -> None:
-    """Every ID until each has an answer other than 429, paced by ``schedule``; ``k_of``:
-    each ID's place in its stretch between pauses when it last left."""
+async def _send(ids: Sequence[str], schedule: Schedule, slots: asyncio.Semaphore,
+                one: Callable[[float, str], Coroutine[Any, Any, None]],
+                tasks: set[asyncio.Task[None]], again: deque[str], k_of: dict[str, int],
+                stopped: Callable[[], bool]) -> None:
+    """Every ID at the schedule's next departure, and every one ``one`` puts back in
+    ``again`` (a whole run's refused ones), until each is answered or ``stopped()``;
+    ``k_of``: each ID's place in its stretch between pauses when it last left."""
     line = deque(ids)
     while line or again or tasks:
         if not line and not again:
@@ -177,6 +159,9 @@ async def _send_honouring(ids: Sequence[str], schedule: Schedule, slots: asyncio
         await slots.acquire()
         due = schedule.due()
         await _until(due)
+        if stopped():
+            slots.release()
+            return
         if schedule.resume_at > due:  # a 429 came back while this one waited
             slots.release()
             continue
@@ -186,6 +171,7 @@ async def _send_honouring(ids: Sequence[str], schedule: Schedule, slots: asyncio
         task.add_done_callback(tasks.discard)
         k_of[rid] = schedule.k
         schedule.sent()
+        # Let it reach the socket now, before this loop spins towards the next departure.
         await asyncio.sleep(0)
 
 
@@ -218,7 +204,6 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
     again: deque[str] = deque()
     auth = f"Bearer {partner.token}"
     run = uuid.uuid4()
-    schedule: Schedule | None = None
     k_of: dict[str, int] = {}
     refused_k: dict[str, int] = {}
 
@@ -241,7 +226,7 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
         statuses[status] = statuses.get(status, 0) + 1
         if status == 429 and not first_429:
             first_429.append(time.perf_counter() - t0)
-        if schedule is not None and status in (0, 429):
+        if whole and status in (0, 429):
             if status == 429:
                 where = k_bucket(k_of.get(rid, 0))
                 refused_k[where] = refused_k.get(where, 0) + 1
@@ -252,12 +237,11 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
     gc.collect()
     gc.disable()  # a collection in the middle of a spin would be a late departure
     cpu0, t0 = time.process_time(), time.perf_counter() + START_DELAY_S
+    # A short trial never pauses (its one() puts nothing back): t0 + k / rate throughout.
+    schedule = Schedule(rate, t0, guard_s if whole else 0.0)
     try:
-        if whole:
-            schedule = Schedule(rate, t0, guard_s)
-            await _send_honouring(ids, schedule, slots, one, tasks, again, k_of)
-        else:
-            await _send_all(ids, rate, t0, slots, one, tasks, first_429, stop_on_429)
+        await _send(ids, schedule, slots, one, tasks, again, k_of,
+                    lambda: bool(first_429) and stop_on_429 and not whole)
     finally:
         gc.enable()
     if tasks:
@@ -265,9 +249,9 @@ async def pace(http: aiohttp.ClientSession, partner: Partner, ids: Sequence[str]
     wall = time.perf_counter() - t0
     return {"rate": rate, "sent": len(late), "statuses": {str(k): v for k, v in statuses.items()},
             "first_429_s": first_429[0] if first_429 else None, "wall_s": wall,
-            "paused_s": schedule.paused_s if schedule is not None else None,
-            "refused_at_k": refused_k if schedule is not None else None,
-            "guard_ms": guard_s * 1000.0 if schedule is not None else None,
+            "paused_s": schedule.paused_s if whole else None,
+            "refused_at_k": refused_k if whole else None,
+            "guard_ms": guard_s * 1000.0 if whole else None,
             "cpu_share": (time.process_time() - cpu0) / wall if wall > 0 else None,
             "late_p50_ms": _ms(percentile(late, 0.5)), "late_p99_ms": _ms(percentile(late, 0.99)),
             "late_max_ms": _ms(max(late, default=None))}

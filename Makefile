@@ -5,12 +5,16 @@
 #   make unit     every test but the end-to-end suite (unit, contract, integration,
 #                 sandbox; PostgreSQL included): the tests marked e2e left out
 #   make test     everything: lint, types, import contracts and every test (e2e and the
-#                 fault suite included, about 25 minutes)
+#                 fault suite included; four workers, then the exclusive tests one at a
+#                 time: about 16 minutes with one of two cores kept busy)
 #   make lint | typecheck | imports   one check each
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Worker processes for the suite. It waits far more than it computes (partners paced at a
+# few requests a second, processes started and stopped), so it runs more workers than cores.
+TEST_WORKERS ?= 4
 
 .PHONY: demo scale-demo check test lint typecheck imports unit bench clean
 
@@ -43,10 +47,11 @@ check: lint typecheck imports
 	$(BIN)/pytest tests/unit tests/contract -q -m "not postgres"
 
 unit: $(STAMP)
-	$(BIN)/pytest tests -q -m "not e2e"
+	$(BIN)/pytest tests -q -n $(TEST_WORKERS) -m "not e2e"
 
 test: lint typecheck imports
-	$(BIN)/pytest tests -q
+	$(BIN)/pytest tests -q -n $(TEST_WORKERS) -m "not exclusive"
+	$(BIN)/pytest tests -q -m exclusive
 
 # Not part of `test`: about 73 minutes (8 partner cells x 4 scenarios x 3 runs each, the
 # oracle of each cell the first time, peers on 2 cells, growth; BENCH_ARGS=--repeat 1: 29);

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
+
+from cleanup_sandbox.sink import WebhookSink
 from dashboard_draw import PanelData, Series, draw_dashboard, summary_line
 from paths import OUT, PY, REPO, log_path
 from processes import Partner, Service, clean_env, dump_toml, free_port, stop_process
-
-from cleanup_sandbox.sink import WebhookSink
 
 DASHBOARD = REPO / "packaging" / "grafana" / "cleanup-supervisor.json"
 ALERT_RULES = REPO / "packaging" / "alerts.yml"

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from cleanup_sandbox.demo import BROKERS, broker_queue
 from paths import BENCH, CELERY_POOL, PY, REDIS_MARKER, REDIS_URL, log_path
 from processes import (
     Emulator,
@@ -53,8 +55,6 @@ from processes import (
     write_ids,
 )
 from scenario import Result, Sample, Scenario, follow_delays, follow_notes, new_result
-
-from cleanup_sandbox.demo import BROKERS, broker_queue
 
 STAT_FIELDS = ("requests", "rate_limited", "duplicates", "requests_during_pause",
                "requests_during_announced_wait", "quota_limited", "executions")

@@ -22,6 +22,7 @@ from typing import Any
 
 import uvloop
 from aiolimiter import AsyncLimiter
+
 from paths import REPO
 
 sys.path.insert(0, str(REPO))

@@ -20,6 +20,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use(): the backend must be chosen first
+
 from matrix import worst
 from scenario import Result
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from paths import PY, REPO, log_path
 from scenario import RATE_GAUGE, Sample, Scenario
 

@@ -53,6 +53,7 @@ from typing import Any
 
 import aiohttp
 import asyncpg
+
 from paths import OUT, log_path
 from processes import (
     Partner,

@@ -84,11 +84,15 @@ def _uses_postgres(item: pytest.Item) -> bool:
         isinstance(v, str) and v.startswith("postgres") for v in callspec.params.values())
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # `-m "not postgres"` (make check) leaves out every case that needs the server.
-    for item in items:
-        if _uses_postgres(item):
-            item.add_marker(pytest.mark.postgres)
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # As each case is collected, before `-m` selects. `-m "not postgres"` (make check)
+    # leaves out every case that needs the server. The end-to-end cases on it start
+    # replicas, each with a pool of its own: four at once in `make test`'s parallel pass
+    # outgrew a default server's 100 connections, so they run in its exclusive pass.
+    if _uses_postgres(item):
+        item.add_marker(pytest.mark.postgres)
+    if item.get_closest_marker("postgres") and item.get_closest_marker("e2e"):
+        item.add_marker(pytest.mark.exclusive)
 
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"

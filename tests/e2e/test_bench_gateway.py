@@ -11,23 +11,16 @@ the case skips, or fails under ``CLEANUP_REQUIRE_NGINX=1``)."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+import gateway
+from matrix import KNOWN_CELLS
+from processes import sandbox
+from scenario import Scenario
 from tests.helpers import eventually
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-try:
-    import gateway
-    from matrix import KNOWN_CELLS
-    from processes import sandbox
-    from scenario import Scenario
-finally:
-    sys.path.remove(str(BENCH))
 
 pytestmark = pytest.mark.e2e
 

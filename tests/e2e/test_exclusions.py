@@ -181,6 +181,9 @@ def _settle_rate(log: list[dict], prefix: str) -> tuple[int, float, float]:
             (hi - lo) / (times[hi] - times[lo]))
 
 
+# Exclusive: it compares a run's pace with an earlier one's; tests starting and stopping
+# beside it in a parallel pass would load one run and not the other.
+@pytest.mark.exclusive
 async def test_500_long_polls_and_20_streams_leave_the_settle_rate_as_it_was(e2e):
     """A digest builder (or anyone with the viewer token) holding 500 long-polls and 20
     exclusions streams open during a run: the run settles as fast as the same run does

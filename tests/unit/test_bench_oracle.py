@@ -2,26 +2,15 @@
 time for a scenario (its rates scaled to the oracle's pace, its pauses unchanged), a row's
 ratio against it, how K runs of a cell become a mean, a worst run and a spread, and for a
 long cell the oracle's whole runs (their schedule through pauses, which one counts) and
-what learning the limit cost a run.
-
-bench/ is a folder of scripts importing each other by bare name (it is no package), so
-its directory is put on sys.path for the import and taken off again."""
+what learning the limit cost a run."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-try:
-    import oracle
-    from repeats import Runs, best_cell, by_cell, worst_cell
-    from scenario import Event, Result, Scenario, learning_s, new_result, steady_pace
-finally:
-    sys.path.remove(str(BENCH))
+import oracle
+from repeats import Runs, best_cell, by_cell, worst_cell
+from scenario import Event, Result, Scenario, learning_s, new_result, steady_pace
 
 
 def _changing(r: float = 50.0) -> Scenario:

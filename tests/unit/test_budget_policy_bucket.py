@@ -11,18 +11,10 @@ over HTTP.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-# bench/ is a folder of scripts (no package): its directory is on sys.path for the import.
-BENCH = str(Path(__file__).resolve().parents[2] / "bench")
-sys.path.insert(0, BENCH)
-try:
-    from policy_grid import Jitter, drain
-finally:
-    sys.path.remove(BENCH)
+from policy_grid import Jitter, drain
 
 
 def changing_limit(t: float) -> float:

@@ -14,24 +14,15 @@ that can pay for the 429.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from cleanup_sandbox.limits import SECOND, FixedWindow, SlidingLog
+from policy_grid import against
 from supervisor.budget.policy import curve, initial, remembered, step
 from supervisor.budget.policy_state import BudgetState, PolicyConfig, Success, Throttle
 from supervisor.budget.settings import LimitsConfig
-
-# bench/ is a folder of scripts (no package): its directory is on sys.path for the import.
-BENCH = str(Path(__file__).resolve().parents[2] / "bench")
-sys.path.insert(0, BENCH)
-try:
-    from policy_grid import against
-finally:
-    sys.path.remove(BENCH)
 
 T0 = 1_800_000_000.0
 

@@ -72,7 +72,11 @@ SHAPES = (
 )
 
 
-@pytest.fixture(params=SHAPES, ids=lambda s: s.name)
+# A shape whose ledger is on PostgreSQL is marked as the cases asking for ``pg`` are
+# (tests/conftest.py): `-m "not postgres"` leaves it out, and `make test` runs it in its
+# exclusive pass, beside no other replicas on the server.
+@pytest.fixture(params=[pytest.param(s, id=s.name, marks=[pytest.mark.postgres] * (
+    s.ledger == "postgres")) for s in SHAPES])
 def shape(request: pytest.FixtureRequest) -> Shape:
     return request.param
 

@@ -28,7 +28,8 @@ from tests.e2e.faults.harness import Fault, Mode, fault_service, verify
 from tests.e2e.harness import E2E
 from tests.e2e.replica_harness import metrics_of, no_duplicates, replicas, settled_by, start_all
 
-pytestmark = pytest.mark.e2e
+# Exclusive: the broker drops every client it has, a parallel test's as well as ours.
+pytestmark = [pytest.mark.e2e, pytest.mark.exclusive]
 
 POPULATION = 600
 KILLS = 5

@@ -197,8 +197,8 @@ async def get_run(request: web.Request) -> web.Response:
     found = await api.ledger.run_with_counts(run_id)
     if found is None:
         raise ApiError(404, f"no run {run_id}")
-    run, counts_read = found
-    counts: Mapping[OpState, int] = counts_read
+    counts: Mapping[OpState, int]  # a monitor's read below is a Mapping
+    run, counts = found
     if wait == "done" and not _done(run) and api.accepting:
         looked = False
         # Long-poll: answered from the monitor's own read of the run (one per pass for
